@@ -1,0 +1,3 @@
+from dptext.cli.app import main
+
+main()

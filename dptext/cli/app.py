@@ -1,0 +1,97 @@
+"""The ``dptext`` Typer application and the process entry point.
+
+``main`` owns error handling for every command: a ``UserError`` becomes one sentence on
+stderr and exit code 2; ``--debug`` (accepted anywhere on the command line) shows the
+traceback instead. Genuine bugs are reported as such, with the same ``--debug`` hint.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+
+import click
+import typer
+
+import dptext
+from dptext.errors import UserError
+
+HELP = """Differentially private language models.
+
+Fine-tune with DP-SGD/DP-Adam, account for privacy, decode privately, distil, and audit.
+Run `dptext COMMAND --help` for the options of each command.
+"""
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(
+        name="dptext",
+        help=HELP,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode="rich",
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+    @app.callback(invoke_without_command=True)
+    def _root(
+        version: bool = typer.Option(False, "--version", help="Print the dptext version and exit."),
+        debug: bool = typer.Option(
+            False, "--debug", help="Show full tracebacks for errors (accepted anywhere on the command line)."
+        ),
+    ) -> None:
+        if version:
+            typer.echo(f"dptext {dptext.__version__}")
+            raise typer.Exit(0)
+
+    import dptext.cli as cli_package
+
+    for info in sorted(pkgutil.iter_modules(cli_package.__path__), key=lambda m: m.name):
+        if info.name in {"app", "common"}:
+            continue
+        module = importlib.import_module(f"dptext.cli.{info.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(app)
+    return app
+
+
+def _say_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("DPTEXT_DEBUG") == "1"
+    args = [a for a in args if a != "--debug"]
+    try:
+        code = build_app()(args=args, prog_name="dptext", standalone_mode=False)
+    except UserError as exc:
+        if debug:
+            raise
+        _say_error(str(exc))
+        sys.exit(2)
+    except click.exceptions.ClickException as exc:
+        if debug:
+            raise
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _say_error("interrupted; an interrupted run can be continued with --resume RUN_DIR.")
+        sys.exit(130)
+    except Exception as exc:  # a bug, not a user mistake
+        if debug:
+            raise
+        _say_error(
+            f"dptext hit an unexpected {type(exc).__name__}: {exc}. "
+            "Re-run with --debug for the traceback and please report it."
+        )
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""`dptext check`: validate a recipe and print it resolved, or print the recipe schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+from dptext.cli.common import JsonOption, OverridesArgument, make_output
+
+
+def check(
+    recipe: Annotated[Optional[Path], typer.Argument(help="Recipe YAML file to validate.", show_default=False)] = None,
+    overrides: OverridesArgument = None,
+    schema: Annotated[bool, typer.Option("--schema", help="Print every recipe key with its type, default and meaning.")] = False,
+    json_mode: JsonOption = False,
+) -> None:
+    """Validate a recipe (with overrides) and print it fully resolved."""
+    from dptext import config
+    from dptext.errors import UserError
+
+    out = make_output(json_mode)
+    if schema:
+        rows = config.schema_docs()
+        out.table("Recipe schema", ["key", "type", "default", "meaning"], rows)
+        out.result([{"key": k, "type": t, "default": d, "doc": doc} for k, t, d, doc in rows])
+        return
+    if recipe is None:
+        raise UserError("Give a recipe file to check, e.g. `dptext check recipes/quickstart.yaml`, or pass --schema.")
+    resolved = config.load_recipe(recipe, overrides or [])
+    if json_mode:
+        out.result(config.to_dict(resolved))
+    else:
+        out.info(f"# {recipe}: valid")
+        print(config.dump_recipe(resolved), end="")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("check")(check)

@@ -1,0 +1,35 @@
+"""Options and helpers shared by every command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from typing_extensions import Annotated
+
+from dptext.output import Output
+
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables (for scripts).")
+]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final result.")]
+OutOption = Annotated[
+    Optional[Path],
+    typer.Option("--out", help="Run directory to write (default: runs/<recipe>-<timestamp>/)."),
+]
+ResumeOption = Annotated[
+    Optional[Path],
+    typer.Option("--resume", help="Continue the run in this directory exactly where it stopped."),
+]
+OverridesArgument = Annotated[
+    Optional[List[str]],
+    typer.Argument(
+        help="Dotted overrides of recipe fields, e.g. privacy.target_epsilon=3 train.epochs=1.",
+        show_default=False,
+    ),
+]
+
+
+def make_output(json_mode: bool = False, quiet: bool = False) -> Output:
+    return Output(json_mode=json_mode, quiet=quiet)

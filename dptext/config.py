@@ -1,0 +1,321 @@
+"""Recipe schema, YAML loading and dotted overrides.
+
+A recipe is pure data: a YAML file whose sections map onto the dataclasses below. Every
+field has its default and its documentation here, in one place (``doc`` metadata), and
+nowhere else: engine code reads ``recipe.privacy.max_grad_norm``, never
+``cfg.get("max_grad_norm", 0.1)``.
+
+Loading is strict: unknown keys are errors that name the nearest valid key, values are
+checked against the field types (``Literal`` choices, numbers, optional fields), and
+command-line overrides such as ``privacy.target_epsilon=3`` go through the same checks.
+
+Settings that change the privacy guarantee (σ, C, q, steps, δ) live in ``privacy`` and
+``train.batch_size``/``train.epochs``; settings that cannot (micro-batch size, clipping
+mode, dtype) are marked as such in their docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from dptext.errors import UserError
+
+
+def doc(default: Any, text: str, **kwargs: Any) -> Any:
+    """A dataclass field with a default and its user-facing documentation."""
+    if isinstance(default, (list, dict)):
+        factory = (lambda d: (lambda: type(d)(d)))(default)
+        return field(default_factory=factory, metadata={"doc": text}, **kwargs)
+    return field(default=default, metadata={"doc": text}, **kwargs)
+
+
+def section(cls: type, text: str) -> Any:
+    """A recipe section: a nested schema dataclass, defaulting to its own defaults."""
+    return field(default_factory=cls, metadata={"doc": text})
+
+
+@dataclass
+class ModelConfig:
+    name: str = doc("smollm2-135m", "Hub name (gpt2, roberta-base), local folder, or offline alias "
+                    "(smollm2-135m, minilm-l6, tiny-gpt2, tiny-llama, tiny-bert, tiny-roberta).")
+    adaptation: Literal["full", "lora", "bias", "top_n", "retrain"] = doc(
+        "full", "Which parameters train: all (full), LoRA adapters, biases only, the top N layers, or all from a "
+        "random initialisation (retrain), as in Li et al. Table 2.")
+    lora_rank: int = doc(8, "LoRA rank r (adaptation=lora).")
+    lora_alpha: float = doc(16.0, "LoRA scaling alpha (adaptation=lora).")
+    top_n_layers: int = doc(2, "Number of top transformer layers to train (adaptation=top_n).")
+    untie_embeddings: bool = doc(False, "Give the LM head its own copy of the input embedding. Off by default: "
+                                 "dptext clips tied weights exactly.")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = doc("e2e", "Dataset reader: e2e, dart, sst2, qnli, mnli, qqp, atis, snips, amazon, imdb, "
+                       "chitchat, personachat, jsonl, csv.")
+    path: Optional[str] = doc(None, "Local file or folder to read; empty means the Hugging Face hub "
+                              "(or the offline package for imdb/chitchat).")
+    text_column: Optional[str] = doc(None, "Text column for generic jsonl/csv data.")
+    label_column: Optional[str] = doc(None, "Label column for generic jsonl/csv data.")
+    max_train_examples: Optional[int] = doc(None, "Use only the first N training examples (after the seeded split).")
+    max_eval_examples: Optional[int] = doc(None, "Evaluate on only the first N validation/test examples.")
+    max_length: int = doc(128, "Maximum tokens per example; longer examples are truncated.")
+    validation_fraction: float = doc(0.1, "Held-out fraction when the source has no validation split.")
+    split_seed: int = doc(0, "Seed of the deterministic split for sources without official splits.")
+
+
+@dataclass
+class TaskConfig:
+    type: Literal["table_to_text", "dialog", "language_modeling", "classification", "infilling", "intent_slot"] = doc(
+        "table_to_text", "Training objective and evaluation.")
+    loss_reduction: Literal["sum", "mean"] = doc(
+        "mean", "How each example's token losses are reduced: summed, or averaged over that example's own tokens.")
+    template: Optional[str] = doc(None, "Infilling template override, e.g. '<S1> It was [MASK] .' (default: SPEC §8).")
+    label_words: list = doc([], "Infilling label words in label order (default: SPEC §8 for the task).")
+    control_codes: list = doc([], "Record fields prepended as control codes, e.g. [category, rating].")
+
+
+@dataclass
+class PrivacyConfig:
+    enabled: bool = doc(True, "Train with differential privacy; false gives the non-private baseline of the same recipe.")
+    target_epsilon: Optional[float] = doc(8.0, "Target ε for the whole run; σ is calibrated to it.")
+    delta: Optional[float] = doc(None, "Target δ; empty means 1/(2n) for n training examples (Li et al.).")
+    noise_multiplier: Optional[float] = doc(None, "Use this σ instead of calibrating from target_epsilon.")
+    max_grad_norm: float = doc(0.1, "Per-example clipping norm C (Li et al. use 0.1).")
+    accountant: Literal["rdp", "prv", "gdp"] = doc("rdp", "Accountant that calibrates σ; all three are reported.")
+    sampling: Literal["poisson", "shuffle"] = doc(
+        "poisson", "Batch sampling. Only poisson matches the accounting; shuffle is for comparison and warns.")
+    clipping_mode: Literal["bookkeeping", "ghost", "per_sample"] = doc(
+        "bookkeeping", "How clipped sums are computed (does not change privacy): one backward pass (bookkeeping), "
+        "two (ghost), or instantiated per-example gradients (per_sample, the reference).")
+    clipping_layout: Literal["all_layer", "per_layer"] = doc(
+        "all_layer", "One norm over the whole model, or a threshold per layer (group-wise clipping).")
+    method: Literal["dp_sgd", "edp_sgd"] = doc("dp_sgd", "DP-SGD with per-example clipping, or eDP-SGD (Dupuy et al.).")
+    secure_rng: bool = doc(False, "Draw noise from a cryptographically secure source (production runs).")
+
+
+@dataclass
+class TrainConfig:
+    optimizer: Literal["adam", "adamw", "sgd"] = doc("adam", "Optimizer wrapped by the DP optimizer (DP-Adam by default).")
+    learning_rate: float = doc(5e-4, "Learning rate.")
+    weight_decay: float = doc(0.0, "Weight decay (Li et al. use none).")
+    epochs: float = doc(10.0, "Training epochs (steps = epochs / sampling rate).")
+    max_steps: Optional[int] = doc(None, "Stop after this many optimizer steps (overrides epochs for the step count).")
+    batch_size: int = doc(1024, "Expected logical batch size B (sampling rate q = B/n).")
+    physical_batch_size: Optional[int] = doc(None, "Micro-batch size per forward pass; empty picks one that fits "
+                                             "memory. Does not change privacy.")
+    seed: int = doc(0, "Seed for initialisation, sampling and noise.")
+    device: str = doc("auto", "auto, cpu, cuda or cuda:N.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = doc(
+        "auto", "auto = bf16 autocast on GPU, fp32 on CPU. Norms accumulate in fp32 either way.")
+    eval_every: Optional[int] = doc(None, "Evaluate every N steps (empty: only at the end).")
+    checkpoint_every: Optional[int] = doc(None, "Checkpoint every N steps (empty: only at the end).")
+    log_every: int = doc(10, "Write metrics every N steps.")
+
+
+@dataclass
+class EvalConfig:
+    beam_size: int = doc(5, "Beam size for generation tasks.")
+    max_new_tokens: int = doc(64, "Maximum generated tokens per example.")
+    batch_size: int = doc(32, "Evaluation batch size.")
+
+
+@dataclass
+class Recipe:
+    name: str = doc("recipe", "Run name; the run directory is runs/<name>-<timestamp>/.")
+    description: str = doc("", "One line saying what this recipe reproduces or does.")
+    model: ModelConfig = section(ModelConfig, "The model.")
+    data: DataConfig = section(DataConfig, "The dataset.")
+    task: TaskConfig = section(TaskConfig, "The objective.")
+    privacy: PrivacyConfig = section(PrivacyConfig, "Differential privacy settings.")
+    train: TrainConfig = section(TrainConfig, "Optimisation.")
+    eval: EvalConfig = section(EvalConfig, "Evaluation.")
+
+
+# --------------------------------------------------------------------------- typing helpers
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, getattr(types, "UnionType", Union)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return True, args[0]
+    return False, tp
+
+
+def _type_name(tp: Any) -> str:
+    optional, inner = _is_optional(tp)
+    if typing.get_origin(inner) is Literal:
+        name = "one of " + ", ".join(repr(a) for a in typing.get_args(inner))
+    else:
+        name = getattr(inner, "__name__", str(inner))
+    return f"{name} or empty" if optional else name
+
+
+def all_keys(cls: type = Recipe, prefix: str = "") -> list[str]:
+    """Every valid dotted key of the schema, e.g. 'privacy.target_epsilon'."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        keys.append(key)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.extend(all_keys(hints[f.name], key + "."))
+    return keys
+
+
+def schema_docs(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default, doc) for every leaf field: the documented schema."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(schema_docs(tp, prefix + f.name + "."))
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        rows.append((prefix + f.name, _type_name(tp), default, f.metadata.get("doc", "")))
+    return rows
+
+
+def _unknown_key_error(key: str, cls: type, prefix: str) -> UserError:
+    valid = all_keys(Recipe)
+    full = prefix + key
+    close = difflib.get_close_matches(full, valid, n=1, cutoff=0.5)
+    if not close:  # a misspelt leaf under the right section, e.g. 'privacy.epsilon'
+        leaves = [k for k in valid if k.rsplit(".", 1)[-1] == key or key in k]
+        close = leaves[:1]
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys are listed by `dptext check --schema`."
+    return UserError(f"Unknown recipe key '{full}'{hint}")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    optional, inner = _is_optional(tp)
+    if value is None or value == "":
+        if optional:
+            return None
+        raise UserError(f"Recipe key '{key}' cannot be empty; give a {_type_name(tp)}.")
+    if typing.get_origin(inner) is Literal:
+        choices = typing.get_args(inner)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(f"Recipe key '{key}' is '{value}' but must be {_type_name(inner)}{hint}.")
+        return value
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in {"true", "false", "yes", "no"}:
+            return value.lower() in {"true", "yes"}
+    elif inner is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif inner is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads '1e-5' as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif inner is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif inner is list or typing.get_origin(inner) is list:
+        if isinstance(value, list):
+            return value
+    elif inner is dict or typing.get_origin(inner) is dict:
+        if isinstance(value, dict):
+            return value
+    else:  # pragma: no cover - a schema field of a type this loader does not know
+        raise TypeError(f"unsupported schema type {tp!r} for {key}")
+    raise UserError(f"Recipe key '{key}' is {value!r} but must be {_type_name(tp)}.")
+
+
+def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    """Build a schema dataclass from plain data, strictly."""
+    if not isinstance(data, dict):
+        raise UserError(f"Recipe section '{prefix.rstrip('.') or 'top level'}' must be a mapping of keys to values.")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown_key_error(str(key), cls, prefix)
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value if value is not None else {}, prefix + key + ".")
+        else:
+            kwargs[key] = _coerce(value, tp, prefix + key)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'privacy.target_epsilon=3' -> (['privacy', 'target_epsilon'], 3), values read as YAML."""
+    import yaml
+
+    if "=" not in text:
+        raise UserError(f"Override '{text}' is not of the form key=value, e.g. privacy.target_epsilon=3.")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise UserError(f"Override '{text}' has no key; write it as key=value, e.g. train.epochs=1.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides or []:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"Override '{text}' descends into '{part}', which is a value, not a section.")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe (or start from the defaults when path is None), apply overrides, validate."""
+    import yaml
+
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"Recipe file '{path}' does not exist; check the path (shipped recipes are in recipes/).")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise UserError(f"Recipe '{path}' is not valid YAML{where}; fix the syntax and retry.") from exc
+        if not isinstance(data, dict):
+            raise UserError(f"Recipe '{path}' must be a YAML mapping of sections (model:, data:, ...).")
+        data.setdefault("name", path.stem)
+    data = apply_overrides(data, overrides or [])
+    return from_dict(Recipe, data)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    import yaml
+
+    return yaml.safe_dump(to_dict(recipe), sort_keys=False)

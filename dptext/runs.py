@@ -1,0 +1,254 @@
+"""The run directory: everything a run leaves behind, written so it can never be half-written.
+
+Layout of ``runs/<recipe>-<timestamp>/`` (or ``--out``)::
+
+    resolved.yaml        the recipe after defaults and overrides (what actually ran)
+    provenance.json      git revision, package versions, command line, machine
+    metrics.jsonl        one JSON object per logged step / evaluation
+    ledger.json          privacy state: q, σ per step, δ, ε per accountant
+    checkpoints/         step-00000123.pt files plus LATEST, each written atomically
+    result.json          the final summary, written when the run completes
+
+Every file is written to a temporary name in the same folder, flushed, fsynced and
+renamed over the target, so a crash or Ctrl-C leaves either the old file or the new
+one, never a torn one. ``--resume DIR`` reopens the directory and continues from the
+newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from dptext.errors import UserError
+
+RESOLVED = "resolved.yaml"
+PROVENANCE = "provenance.json"
+METRICS = "metrics.jsonl"
+LEDGER = "ledger.json"
+RESULT = "result.json"
+CHECKPOINTS = "checkpoints"
+LATEST = "LATEST"
+
+TRACKED_PACKAGES = (
+    "dptext", "torch", "transformers", "datasets", "numpy", "scipy", "prv-accountant",
+    "typer", "rich", "sacrebleu", "rouge-score", "gguf", "peft", "opacus",
+)
+
+
+def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = False) -> None:
+    """Write ``path`` via ``write(fileobj)`` on a temp file, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text))
+
+
+def atomic_write_json(path: str | Path, data: Any) -> None:
+    from dptext.output import _jsonable
+
+    atomic_write_text(path, json.dumps(_jsonable(data), indent=2) + "\n")
+
+
+def git_revision(directory: Path | None = None) -> str:
+    """The git commit of the dptext source tree (with '+dirty' when modified), or 'unknown'."""
+    directory = directory or Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=5)
+        if rev.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
+                               capture_output=True, text=True, timeout=5)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in TRACKED_PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def provenance() -> dict[str, Any]:
+    return {
+        "git_revision": git_revision(),
+        "packages": package_versions(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "command": sys.argv,
+        "started": _dt.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU and CUDA) generator states, for exact resumption."""
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RunDir:
+    """One run's directory. Create with ``RunDir.create``; reopen for resume with ``RunDir.open``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    # ------------------------------------------------------------------ creation
+    @classmethod
+    def create(cls, recipe: Any, out: str | Path | None = None, root: str | Path = "runs") -> "RunDir":
+        """Make a fresh run directory and write the resolved recipe and provenance."""
+        from dptext.config import dump_recipe
+
+        if out is None:
+            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+            out = Path(root) / f"{recipe.name}-{stamp}"
+            suffix = 1
+            while out.exists():
+                suffix += 1
+                out = Path(root) / f"{recipe.name}-{stamp}-{suffix}"
+        out = Path(out)
+        if out.exists() and any(out.iterdir()):
+            raise UserError(f"Run directory '{out}' already exists and is not empty; "
+                            f"pass --resume {out} to continue it or choose another --out.")
+        out.mkdir(parents=True, exist_ok=True)
+        run = cls(out)
+        atomic_write_text(run.path / RESOLVED, dump_recipe(recipe))
+        atomic_write_json(run.path / PROVENANCE, provenance())
+        return run
+
+    @classmethod
+    def open(cls, path: str | Path) -> "RunDir":
+        """Reopen an existing run (for --resume or for reading its results)."""
+        run = cls(path)
+        if not (run.path / RESOLVED).is_file():
+            raise UserError(f"'{path}' is not a dptext run directory (no {RESOLVED}); "
+                            "pass the folder a previous run printed.")
+        return run
+
+    def recipe(self) -> Any:
+        from dptext.config import load_recipe
+
+        return load_recipe(self.path / RESOLVED)
+
+    # ------------------------------------------------------------------ metrics
+    def log_metrics(self, record: dict[str, Any]) -> None:
+        """Append one JSON line; flushed and fsynced so a crash loses at most this line."""
+        from dptext.output import _jsonable
+
+        with open(self.path / METRICS, "a") as handle:
+            handle.write(json.dumps(_jsonable(record)) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        path = self.path / METRICS
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line torn by a crash mid-write
+                continue
+        return records
+
+    def truncate_metrics_after(self, step: int) -> None:
+        """On resume, drop records logged after the checkpoint we resume from (they will be redone)."""
+        kept = [r for r in self.read_metrics() if r.get("step", 0) <= step]
+        atomic_write_text(self.path / METRICS, "".join(json.dumps(r) + "\n" for r in kept))
+
+    # ------------------------------------------------------------------ privacy ledger and result
+    def save_ledger(self, ledger: dict[str, Any]) -> None:
+        atomic_write_json(self.path / LEDGER, ledger)
+
+    def load_ledger(self) -> dict[str, Any] | None:
+        path = self.path / LEDGER
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def save_result(self, result: dict[str, Any]) -> None:
+        atomic_write_json(self.path / RESULT, result)
+
+    def load_result(self) -> dict[str, Any] | None:
+        path = self.path / RESULT
+        return json.loads(path.read_text()) if path.exists() else None
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    def save_checkpoint(self, state: dict[str, Any], step: int, keep: int = 2) -> Path:
+        """Atomically write ``state`` (model, optimizer, sampler, RNG, ledger...) for ``step``.
+
+        LATEST is updated only after the checkpoint file is complete, and older
+        checkpoints are pruned only after that, so there is always one complete one.
+        """
+        import torch
+
+        target = self.checkpoint_dir / f"step-{step:08d}.pt"
+        atomic_write(target, lambda f: torch.save({"step": step, **state}, f), binary=True)
+        atomic_write_text(self.checkpoint_dir / LATEST, target.name + "\n")
+        for old in sorted(self.checkpoint_dir.glob("step-*.pt"))[:-keep]:
+            old.unlink()
+        return target
+
+    def latest_checkpoint(self) -> Path | None:
+        pointer = self.checkpoint_dir / LATEST
+        if not pointer.exists():
+            return None
+        target = self.checkpoint_dir / pointer.read_text().strip()
+        return target if target.exists() else None
+
+    def load_checkpoint(self, map_location: Any = "cpu") -> dict[str, Any] | None:
+        import torch
+
+        target = self.latest_checkpoint()
+        if target is None:
+            return None
+        # Checkpoints hold optimizer and RNG state (numpy arrays, tuples), so they are
+        # not restricted to tensors; only load run directories you created.
+        return torch.load(target, map_location=map_location, weights_only=False)

@@ -1,0 +1,29 @@
+"""Shared test fixtures.
+
+Tests may read the real datasets in ../shared/data (next to the checkout); the package
+itself never depends on them. Tests that need them are skipped with a reason when the
+folder is absent (e.g. a user's clone), but in this project's CI it is always present.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = Path(os.environ.get("DPTEXT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared datasets not found at {SHARED_DATA} (set DPTEXT_SHARED_DATA)")
+    return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cwd_for_runs(monkeypatch, tmp_path_factory):
+    """Keep tests from writing runs/ into the checkout."""
+    monkeypatch.setenv("DPTEXT_RUNS_ROOT", str(tmp_path_factory.mktemp("runs")))
