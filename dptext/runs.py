@@ -139,9 +139,15 @@ class RunDir:
 
     # ------------------------------------------------------------------ creation
     @classmethod
-    def create(cls, recipe: Any, out: str | Path | None = None, root: str | Path = "runs") -> "RunDir":
-        """Make a fresh run directory and write the resolved recipe and provenance."""
+    def create(cls, recipe: Any, out: str | Path | None = None, root: str | Path | None = None) -> "RunDir":
+        """Make a fresh run directory and write the resolved recipe and provenance.
+
+        Without ``out`` it is ``<root>/<recipe.name>-<timestamp>``; root defaults to
+        ``$DPTEXT_RUNS_ROOT`` or ``runs``.
+        """
         from dptext.config import dump_recipe
+
+        root = root or os.environ.get("DPTEXT_RUNS_ROOT", "runs")
 
         if out is None:
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
