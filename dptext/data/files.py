@@ -1,0 +1,33 @@
+"""Checks on local paths, so a wrong ``data.path`` is one clear sentence, not a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from dptext.errors import UserError
+
+
+def existing_path(path: Optional[str], dataset: str) -> Path:
+    if path is None:
+        raise UserError(f"The {dataset} reader needs local files; pass data.path= (or --path) pointing to them.")
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise UserError(f"The {dataset} data path {resolved} does not exist; check data.path (or --path).")
+    return resolved
+
+
+def data_folder(path: Optional[str], dataset: str, expected: str) -> Path:
+    """A folder that holds the dataset's files; ``expected`` names them for the error message."""
+    folder = existing_path(path, dataset)
+    if not folder.is_dir():
+        raise UserError(f"The {dataset} data path {folder} is a file; pass the folder that holds {expected}.")
+    return folder
+
+
+def file_in(folder: Path, name: str, dataset: str) -> Path:
+    candidate = folder / name
+    if not candidate.is_file():
+        present = ", ".join(sorted(p.name for p in folder.iterdir())[:12]) or "nothing"
+        raise UserError(f"The {dataset} file {candidate} is missing (the folder holds {present}); check data.path.")
+    return candidate

@@ -1,0 +1,134 @@
+"""Your own data: jsonl, csv or tsv files with named columns.
+
+Records: every column of the file, plus ``"text"`` (from ``text_column``, default ``text``)
+and ``"label"`` (from ``label_column``, if given). Labels written as whole numbers (``3``,
+``"3"``) become ints; other labels stay strings for the task to map.
+
+``data.path`` is either one file, split by the seeded partition (``validation_fraction``
+each for validation and test), or a folder with one file per split: ``train.<ext>``,
+``validation.<ext>`` (or ``dev``/``valid``) and ``test.<ext>``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from dptext.data.files import existing_path
+from dptext.data.splits import canonical_split, seeded_split
+from dptext.errors import UserError
+
+SPLIT_FILE_STEMS = {"train": ("train",), "validation": ("validation", "dev", "valid", "val"), "test": ("test",)}
+EXTENSIONS = {"jsonl": (".jsonl", ".json"), "csv": (".csv",), "tsv": (".tsv",)}
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path} line {line_number} is not valid JSON ({exc.msg}); "
+                                "jsonl needs one JSON object per line.") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path} line {line_number} is a JSON {type(row).__name__}, not an object with columns.")
+            rows.append(row)
+    return rows
+
+
+def _read_delimited(path: Path, delimiter: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle, delimiter=delimiter)
+        rows = []
+        for line_number, row in enumerate(reader, start=2):
+            if None in row:
+                raise UserError(f"{path} row {line_number} has more fields than the header's "
+                                f"{len(reader.fieldnames or [])} columns.")
+            rows.append(row)
+    return rows
+
+
+def _as_label(value: Any) -> Any:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _records(rows: list[dict[str, Any]], path: Path, text_column: Optional[str], label_column: Optional[str]):
+    text_column = text_column or "text"
+    columns = list(rows[0]) if rows else []
+    for wanted, option in ((text_column, "data.text_column"), (label_column, "data.label_column")):
+        if wanted is not None and rows and wanted not in rows[0]:
+            raise UserError(f"{path} has no column {wanted!r} (it has {', '.join(map(str, columns))}); "
+                            f"set {option} to one of them.")
+    records = []
+    for row in rows:
+        record = {**row, "text": row.get(text_column)}
+        if label_column is not None:
+            record["label"] = _as_label(row.get(label_column))
+        records.append(record)
+    return records
+
+
+def _read_json_array(path: Path) -> list[dict[str, Any]]:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc.msg}); use a list of objects, or one object per line "
+                        "in a .jsonl file.") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise UserError(f"{path} must hold a JSON list of objects (one per example).")
+    return rows
+
+
+def read_table_file(path: Path, text_column: Optional[str] = None, label_column: Optional[str] = None):
+    if path.suffix == ".jsonl":
+        rows = _read_jsonl(path)
+    elif path.suffix == ".json":
+        rows = _read_json_array(path)
+    elif path.suffix in (".csv", ".tsv"):
+        rows = _read_delimited(path, "\t" if path.suffix == ".tsv" else ",")
+    else:
+        raise UserError(f"{path} is not a .jsonl, .csv or .tsv file; dptext reads generic data only in those formats.")
+    return _records(rows, path, text_column, label_column)
+
+
+def _split_file(folder: Path, split: str, kind: str) -> Path:
+    for stem in SPLIT_FILE_STEMS[split]:
+        for extension in EXTENSIONS[kind]:
+            if (folder / f"{stem}{extension}").is_file():
+                return folder / f"{stem}{extension}"
+    names = " or ".join(f"{s}{EXTENSIONS[kind][0]}" for s in SPLIT_FILE_STEMS[split])
+    raise UserError(f"{folder} has no {split} file ({names}); add it, or pass a single file to split by seed.")
+
+
+def read_table(kind: str, split: str, path: Optional[str] = None, text_column: Optional[str] = None,
+               label_column: Optional[str] = None, validation_fraction: float = 0.1, split_seed: int = 0,
+               **_options) -> list[dict[str, Any]]:
+    split = canonical_split(split)
+    source = existing_path(path, kind)
+    if source.is_dir():
+        return read_table_file(_split_file(source, split, kind), text_column, label_column)
+    records = read_table_file(source, text_column, label_column)
+    # A row's place in the file is its identity for the seeded split.
+    row_number = {id(record): str(number) for number, record in enumerate(records)}
+    return seeded_split(records, split, lambda r: row_number[id(r)], validation_fraction, split_seed)
+
+
+def read_jsonl(split: str, path: Optional[str] = None, **options) -> list[dict[str, Any]]:
+    return read_table("jsonl", split, path, **options)
+
+
+def read_csv(split: str, path: Optional[str] = None, **options) -> list[dict[str, Any]]:
+    return read_table("csv", split, path, **options)
+
+
+def read_tsv(split: str, path: Optional[str] = None, **options) -> list[dict[str, Any]]:
+    return read_table("tsv", split, path, **options)
