@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from dptext.data import atis, dart, dialog, e2e, generic, glue, news, reviews
+from dptext.data.files import gc_paused
 from dptext.data.references import group_references
 from dptext.data.splits import SPLITS, canonical_split
 from dptext.errors import UserError
@@ -107,7 +108,8 @@ def load_split(dataset: str, split: str, path: Union[str, Path, None] = None, **
         raise TypeError(f"load_split() got unknown options {unknown}; known: {READER_OPTIONS}")
     info = dataset_info(dataset)
     path = str(path) if path not in (None, "") else None
-    return info.read(canonical_split(split), path, **options)
+    with gc_paused():
+        return info.read(canonical_split(split), path, **options)
 
 
 def load_records(data_cfg: "DataConfig", split: str) -> list[dict]:

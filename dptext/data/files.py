@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -31,3 +33,19 @@ def file_in(folder: Path, name: str, dataset: str) -> Path:
         present = ", ".join(sorted(p.name for p in folder.iterdir())[:12]) or "nothing"
         raise UserError(f"The {dataset} file {candidate} is missing (the folder holds {present}); check data.path.")
     return candidate
+
+
+@contextmanager
+def gc_paused():
+    """Pause the cyclic garbage collector while a reader builds its records.
+
+    Readers create hundreds of thousands of small dicts and lists and no reference cycles;
+    with the collector on, its repeated passes over them make reading about 3x slower.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

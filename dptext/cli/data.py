@@ -1,0 +1,50 @@
+"""`dptext data`: check a dataset before training: records per split and the first few records."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+from dptext.cli.common import JsonOption, make_output
+
+
+def data(
+    dataset: Annotated[str, typer.Argument(help="Dataset name: e2e, dart, sst2, qnli, mnli, qqp, atis, snips, amazon, "
+                                                "imdb, yelp, chitchat, personachat, news, jsonl, csv or tsv.",
+                                           show_default=False)],
+    path: Annotated[Optional[str], typer.Option("--path", help="Local file or folder to read (data.path); empty "
+                                                "means the Hugging Face hub or the installed package.")] = None,
+    split: Annotated[Optional[str], typer.Option("--split", help="Only this split: train, validation or test "
+                                                 "(default: count all three).")] = None,
+    show: Annotated[int, typer.Option("--show", min=0, help="How many records to print.")] = 3,
+    text_column: Annotated[Optional[str], typer.Option("--text-column", help="Text column of jsonl/csv/tsv data "
+                                                       "(data.text_column).")] = None,
+    label_column: Annotated[Optional[str], typer.Option("--label-column", help="Label column of jsonl/csv/tsv data "
+                                                        "(data.label_column).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the split for sources without one "
+                                      "(data.split_seed).")] = 0,
+    validation_fraction: Annotated[float, typer.Option("--validation-fraction", help="Held-out fraction for "
+                                                       "validation, and again for test, where the source has no "
+                                                       "split (data.validation_fraction).")] = 0.1,
+    json_mode: JsonOption = False,
+) -> None:
+    """Show how many records each split of a dataset has and print the first ones."""
+    from dptext.data.summary import example_table, summarize
+
+    out = make_output(json_mode)
+    summary = summarize(dataset, path, split, show, text_column=text_column, label_column=label_column,
+                        split_seed=seed, validation_fraction=validation_fraction)
+    rows = [[name, "-" if count is None else f"{count:,}"] for name, count in summary["counts"].items()]
+    out.table(f"{summary['dataset']} ({summary['source']})", ["split", "records"], rows)
+    for name, message in summary["errors"].items():
+        out.warn(f"{name}: {message}")
+    if summary["examples"]:
+        columns, cells = example_table(summary["examples"])
+        out.table(f"First {len(cells)} {summary['shown_split']} records", columns, cells)
+    out.result(summary)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("data")(data)
