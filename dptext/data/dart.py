@@ -2,8 +2,8 @@
 
 Records: one per reference, ``{"tripleset": [[subject, predicate, object], ...], "ref": str,
 "source": annotation source, "entry": index of the triple set in its file}``. ``entry``
-identifies the input even where two entries hold the same triples; group with
-``dptext.data.group_references(records, group_key="entry")`` for multi-reference evaluation.
+identifies the input even where two entries hold the same triples (47 dev entries repeat
+another's); ``dptext.data.group_references(records)`` groups by it for multi-reference evaluation.
 
 Local files: a folder with ``dart-v1.1.1-full-{train,dev,test}.json`` (a list of
 ``{"tripleset", "annotations": [{"source", "text"}]}``) or the WebNLG-style ``.xml`` of the

