@@ -175,3 +175,24 @@ def test_bbc_news_from_the_installed_package():
 def test_records_are_plain_json_values(shared_data):
     for dataset, folder in (("e2e", "e2e_nlg"), ("dart", "dart"), ("sst2", "sst2"), ("atis", "atis")):
         json.dumps(read(dataset, "validation", str(shared_data / folder))[:5])
+
+
+def test_glue_pair_tasks_read_columns_from_their_headers(tmp_path):
+    """QNLI, MNLI and QQP are not in ../shared/data: small files in GLUE's exact layouts."""
+    layouts = {
+        "qnli": ("train.tsv", "index\tquestion\tsentence\tlabel\n0\tWho wrote it?\tShe wrote \"it\".\tentailment\n"),
+        "mnli": ("dev_matched.tsv", "index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\tlabel1\tgold_label\n"
+                                    "0\t1\t1e\tfiction\tA \"man\" sleeps.\tA man is awake.\tneutral\tcontradiction\n"),
+        "qqp": ("test.tsv", "id\tquestion1\tquestion2\n0\tHow do I cook rice?\tHow to cook rice?\n"),
+    }
+    expected = {"qnli": ("Who wrote it?", 'She wrote "it".', 0, "entailment"),
+                "mnli": ('A "man" sleeps.', "A man is awake.", 2, "contradiction"),
+                "qqp": ("How do I cook rice?", "How to cook rice?", None, None)}
+    split_of = {"train.tsv": "train", "dev_matched.tsv": "validation", "test.tsv": "test"}
+    for task, (name, text) in layouts.items():
+        folder = tmp_path / task
+        folder.mkdir()
+        (folder / name).write_text(text)
+        (record,) = load_split(task, split_of[name], folder)
+        assert (record["text"], record["text_pair"], record["label"], record["label_name"]) == expected[task]
+    assert load_split("mnli", "validation", tmp_path / "mnli")[0]["genre"] == "fiction"
