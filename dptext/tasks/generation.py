@@ -1,0 +1,48 @@
+"""Batched generation for evaluation (beam search by default, as in Li et al.'s E2E/DART eval).
+
+This is evaluation of a trained model, not DP decoding: for a per-query privacy guarantee at
+inference time use ``dptext decode`` (dptext.decoding), which samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+
+def generate_completions(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    beam_size: int = 5,
+    max_new_tokens: int = 64,
+    batch_size: int = 16,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[str]:
+    """The completion generated after each prompt, special tokens removed and whitespace stripped."""
+    import torch
+
+    device = next(model.parameters()).device
+    outputs: list[str] = []
+    was_training = model.training
+    model.eval()
+    # Decoder-only models continue from the last position, so prompts are left-padded.
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = list(prompts[start:start + batch_size])
+            batch = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            with torch.no_grad():
+                generated = model.generate(
+                    **batch, num_beams=beam_size, do_sample=False, max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                    early_stopping=beam_size > 1,
+                )
+            new_tokens = generated[:, batch["input_ids"].shape[1]:]
+            outputs.extend(text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+            if on_batch:
+                on_batch(len(chunk))
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return outputs
