@@ -1,0 +1,103 @@
+"""From recorded uses to per-example norms, clipping coefficients and clipped sums (SPEC §1–2).
+
+The whole-model norm is ‖g_i‖² = Σ_p ‖G_{i,p}‖² over parameters p, and a parameter used by several uses u
+(tied embedding and LM head; a layer called twice) has G_{i,p} = Σ_u G_{i,p,u}, so
+    ‖G_{i,p}‖² = Σ_u ‖G_{i,p,u}‖² + 2 Σ_{u<v} ⟨G_{i,p,u}, G_{i,p,v}⟩.
+The cross terms come from the outer-product forms where both rules have one (never a V×d matrix), and from
+instantiated gradients otherwise (only small parameters, such as a shared bias, get there).
+
+Clipping: ḡ_i = g_i · min(1, C / (‖g_i‖ + 1e-6)). With the per-layer layout each parameter p has its own
+threshold C_p = C / √P, so the clipped whole-model gradient still has norm ≤ C and the noise stays σC.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+
+from dptext.privacy.capture import Use
+from dptext.privacy.norms import inner_product
+
+STABILITY = 1e-6  # the 1e-6 of SPEC §1: ḡ = g · min(1, C / (‖g‖ + 1e-6))
+
+
+def uses_by_parameter(uses: list[Use]) -> dict[nn.Parameter, list[tuple[Use, str]]]:
+    grouped: dict[nn.Parameter, list[tuple[Use, str]]] = defaultdict(list)
+    for use in uses:
+        for name in use.names:
+            grouped[getattr(use.module, name)].append((use, name))
+    return grouped
+
+
+def _cross_term(first: tuple[Use, str], second: tuple[Use, str]) -> Tensor:
+    (u, u_name), (v, v_name) = first, second
+    forms = []
+    for use, name in ((u, u_name), (v, v_name)):
+        outer_form = getattr(use.rule, "outer_form", None)
+        form = outer_form(use.module, (name,), use.activation, use.grad_output) if outer_form else {}
+        forms.append(form.get(name))
+    if forms[0] is not None and forms[1] is not None:
+        return inner_product(forms[0], forms[1])
+    grad_u = u.rule.per_example(u.module, (u_name,), u.activation, u.grad_output)[u_name]
+    grad_v = v.rule.per_example(v.module, (v_name,), v.activation, v.grad_output)[v_name]
+    return (grad_u.float() * grad_v.float()).flatten(1).sum(dim=1)
+
+
+def norm_sq_per_parameter(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
+    """(B,) fp32 squared per-example gradient norm of each parameter, cross terms of shared ones included."""
+    norms: dict[nn.Parameter, Tensor] = {}
+    for use in uses:
+        for name, norm_sq in use.rule.norm_sq(use.module, use.names, use.activation, use.grad_output).items():
+            param = getattr(use.module, name)
+            norms[param] = norms[param] + norm_sq if param in norms else norm_sq
+    for param, param_uses in uses_by_parameter(uses).items():
+        for i, first in enumerate(param_uses):
+            for second in param_uses[i + 1:]:
+                norms[param] = norms[param] + 2 * _cross_term(first, second)
+    return norms
+
+
+def norm_sq_from_per_example(grads: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
+    return {param: grad.float().pow(2).flatten(1).sum(dim=1) for param, grad in grads.items()}
+
+
+def clip_coefficients(norms_sq: dict[nn.Parameter, Tensor], max_grad_norm: float, layout: str,
+                      num_groups: int) -> tuple[dict[nn.Parameter, Tensor], Tensor]:
+    """Per parameter, the (B,) factors min(1, C / (‖g‖ + 1e-6)); also the (B,) whole-model norms."""
+    total = torch.stack(list(norms_sq.values())).sum(dim=0).clamp(min=0).sqrt()
+    if layout == "all_layer":
+        coef = (max_grad_norm / (total + STABILITY)).clamp(max=1.0)
+        return {param: coef for param in norms_sq}, total
+    threshold = max_grad_norm / math.sqrt(num_groups)
+    return {param: (threshold / (norm_sq.clamp(min=0).sqrt() + STABILITY)).clamp(max=1.0)
+            for param, norm_sq in norms_sq.items()}, total
+
+
+def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
+    """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping)."""
+    sums: dict[nn.Parameter, Tensor] = {}
+    for use in uses:
+        use_coef = {name: coef[getattr(use.module, name)] for name in use.names}
+        for name, total in use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output,
+                                                use_coef).items():
+            param = getattr(use.module, name)
+            sums[param] = sums[param] + total if param in sums else total
+    return sums
+
+
+def per_example_grads(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
+    """(B, *shape) per-example gradients, summed over the uses of each parameter (the per_sample reference)."""
+    grads: dict[nn.Parameter, Tensor] = {}
+    for use in uses:
+        for name, grad in use.rule.per_example(use.module, use.names, use.activation, use.grad_output).items():
+            param = getattr(use.module, name)
+            grads[param] = grads[param] + grad if param in grads else grad
+    return grads
+
+
+def clipped_sums_from_per_example(grads: dict[nn.Parameter, Tensor],
+                                  coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
+    return {param: torch.tensordot(coef[param].to(grad.dtype), grad, dims=1) for param, grad in grads.items()}

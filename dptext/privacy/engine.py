@@ -1,0 +1,264 @@
+"""``PrivacyEngine``: DP training for a model and optimizer you already have (SPEC §1–2).
+
+One object ties the whole privatized step together (jax_privacy's execution plan): the sampler that draws
+the batches (Poisson with rate q), per-example clipping (C, the clipping mode and layout), the noise (σ) and
+the count of steps, so the numbers the accountant needs (``sample_rate``, ``noise_multiplier``, ``steps``) are
+those of the sampler and noise that really ran.
+
+Privacy settings: noise_multiplier σ, max_grad_norm C, sample_rate q (or expected batch size B = qn),
+the sampler. Settings that do not change privacy: clipping_mode, clipping_layout's implementation, micro-batch
+size, dtype.
+
+Clipping modes (same clipped sums, different cost):
+* ``bookkeeping`` (default): one backward pass. The engine's parameters are taken out of autograd
+  (requires_grad=False, so autograd skips their weight-gradient GEMMs while activation gradients still flow);
+  hooks keep each layer's activation and output gradient, give every per-example norm (mixed ghost/instantiated
+  rule per layer) and then the clipped sums as (c ⊙ g)ᵀ a.
+* ``ghost``: two backward passes (Li et al.): the first gives the norms, the second differentiates Σ_i c_i·loss_i
+  with ordinary autograd. All-layer clipping only.
+* ``per_sample``: instantiates per-example gradients (the opacus way); the memory-hungry reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from dptext.errors import UserError
+from dptext.privacy import clipping
+from dptext.privacy.capture import UseRecorder
+from dptext.privacy.norms import find_rule
+from dptext.privacy.norms.functional import FunctionalRule
+from dptext.privacy.optimizer import DPOptimizer, NoiseSource, random_seed
+from dptext.privacy.sampler import PoissonSampler, ShuffleSampler
+
+CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
+CLIPPING_LAYOUTS = ("all_layer", "per_layer")
+SAMPLINGS = ("poisson", "shuffle")
+
+
+def _module_names(model: nn.Module) -> dict[nn.Module, str]:
+    return {module: name or type(model).__name__ for name, module in model.named_modules()}
+
+
+def find_tracked_modules(model: nn.Module, clipping_mode: str) -> dict[nn.Module, tuple[Any, tuple[str, ...]]]:
+    """Every module owning trainable parameters, with its rule; refuses the model before step 0 otherwise."""
+    names = _module_names(model)
+    owners: dict[nn.Parameter, list[nn.Module]] = {}
+    tracked, ruleless = {}, []
+    for module in names:
+        own = tuple(name for name, p in module.named_parameters(recurse=False) if p.requires_grad)
+        if not own:
+            continue
+        for name in own:
+            owners.setdefault(getattr(module, name), []).append(module)
+        rule = find_rule(module)
+        reason = getattr(rule, "unsupported", lambda m: None)(module) if rule else None
+        if reason:
+            raise UserError(f"Layer '{names[module]}' ({type(module).__name__}) cannot be trained privately: "
+                            f"{reason}; change that setting or freeze the layer (requires_grad_(False)).")
+        if rule is None:
+            ruleless.append((module, own))
+        else:
+            tracked[module] = (rule, own)
+    for module, own in ruleless:
+        # HF ties e.g. ``lm_head.bias`` to ``lm_head.decoder.bias``: an alias held by a parent whose child has a rule.
+        if all(any(o in tracked and o is not module and names[o].startswith(names[module] + ".")
+                   for o in owners[getattr(module, name)]) for name in own):
+            continue
+        if clipping_mode == "per_sample":
+            tracked[module] = (FunctionalRule(), own)
+            continue
+        raise UserError(
+            f"Layer '{names[module]}' ({type(module).__name__}) has trainable parameters "
+            f"({', '.join(own)}) but no per-example gradient rule; freeze it (requires_grad_(False)), or use "
+            "clipping_mode='per_sample', which handles it with torch.func if its forward is a plain function "
+            "of its inputs.")
+    return tracked
+
+
+class PrivacyEngine:
+    """Privatizes the training of ``model`` by ``optimizer``; see the module docstring and docs/privacy_engine.md.
+
+    Give the sampling as ``sample_rate`` q and ``dataset_size`` n (B = qn), or ``expected_batch_size`` B with
+    either of them. ``seed`` makes noise and sampling reproducible; ``secure_rng=True`` seeds them from the OS.
+    ``ledger`` is called as ``ledger(sample_rate=q, noise_multiplier=σ)`` after every noisy step.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
+                 max_grad_norm: float, sample_rate: float | None = None, dataset_size: int | None = None,
+                 expected_batch_size: float | None = None, clipping_mode: str = "bookkeeping",
+                 clipping_layout: str = "all_layer", sampling: str = "poisson", seed: int | None = 0,
+                 secure_rng: bool = False, ledger: Callable[..., Any] | None = None):
+        self.sample_rate, self.dataset_size, self.expected_batch_size = _sampling_numbers(
+            sample_rate, dataset_size, expected_batch_size)
+        _check_choice("clipping_mode", clipping_mode, CLIPPING_MODES)
+        _check_choice("clipping_layout", clipping_layout, CLIPPING_LAYOUTS)
+        _check_choice("sampling", sampling, SAMPLINGS)
+        if clipping_mode == "ghost" and clipping_layout == "per_layer":
+            raise UserError("Ghost clipping's second backward pass applies one factor per example; use "
+                            "clipping_mode='bookkeeping' (or per_sample) for per-layer clipping.")
+        if noise_multiplier < 0 or max_grad_norm <= 0:
+            raise UserError("noise_multiplier must be ≥ 0 and max_grad_norm > 0.")
+        self.model = model
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = float(max_grad_norm)
+        self.clipping_mode = clipping_mode
+        self.clipping_layout = clipping_layout
+        self.sampling = sampling
+        self.secure_rng = secure_rng
+        self.seed = None if secure_rng else seed
+        self.ledger = ledger
+        self.steps = 0
+
+        tracked = find_tracked_modules(model, clipping_mode)
+        self.params = list(dict.fromkeys(getattr(m, n) for m, (_, names) in tracked.items() for n in names))
+        if not self.params:
+            raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
+        _check_optimizer(optimizer, self.params)
+        self.recorder = UseRecorder(model, tracked, keep_outputs=clipping_mode == "ghost")
+        if clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
+            for param in self.params:
+                param.requires_grad_(False)
+        self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
+                                        self.expected_batch_size, NoiseSource(self.seed, secure_rng))
+
+    # ------------------------------------------------------------------ the training step
+
+    @torch.no_grad()
+    def _clip_and_sum(self, uses) -> Tensor:
+        if self.clipping_mode == "bookkeeping":
+            coef, norms = self._coefficients(clipping.norm_sq_per_parameter(uses))
+            sums = clipping.clipped_sums(uses, coef)
+        else:
+            grads = clipping.per_example_grads(uses)
+            coef, norms = self._coefficients(clipping.norm_sq_from_per_example(grads))
+            sums = clipping.clipped_sums_from_per_example(grads, coef)
+        self.dp_optimizer.add_clipped_sums(sums, uses[0].batch_size)
+        return norms
+
+    def accumulate(self, per_example_loss: Tensor) -> Tensor:
+        """Backward pass for one (micro-)batch: adds its clipped per-example gradients to the logical batch.
+
+        Returns the (B,) whole-model per-example gradient norms before clipping (for logging)."""
+        if per_example_loss.ndim != 1:
+            raise UserError("Pass one loss per example (a 1-D tensor, e.g. from dptext.privacy.per_example_loss), "
+                            "not a batch-averaged scalar.")
+        if per_example_loss.numel() == 0:
+            self.recorder.take_uses()
+            return per_example_loss.detach().float()
+        if not per_example_loss.requires_grad:
+            raise UserError("The loss does not depend on any trainable layer; check that the model forward "
+                            "ran with gradients enabled after the engine was created.")
+        if self.clipping_mode == "ghost":
+            norms = self._ghost_backward(per_example_loss)
+        else:
+            per_example_loss.sum().backward()
+            norms = self._clip_and_sum(self._uses_for(per_example_loss))
+        return norms
+
+    def step(self, per_example_loss: Tensor | None = None) -> None:
+        """One logical DP step: optionally ``accumulate(per_example_loss)``, then noise once and update.
+
+        Calling it with nothing accumulated is the step of an empty Poisson batch: noise only."""
+        if per_example_loss is not None:
+            self.accumulate(per_example_loss)
+        self.dp_optimizer.step()
+        self.steps += 1
+        if self.ledger is not None:
+            self.ledger(sample_rate=self.sample_rate, noise_multiplier=self.noise_multiplier)
+
+    def zero_grad(self) -> None:
+        """Drop what was accumulated for the current logical batch."""
+        self.dp_optimizer.zero_grad()
+        self.recorder.take_uses()
+
+    def clipped_grads(self) -> dict[nn.Parameter, Tensor]:
+        """The clipped sums accumulated so far in this logical batch, before noise (for tests and debugging)."""
+        return dict(self.dp_optimizer.summed)
+
+    def _uses_for(self, per_example_loss: Tensor):
+        uses = self.recorder.take_uses()
+        if not uses:
+            raise UserError("No trainable layer received a gradient; was the model called with the engine's hooks "
+                            "(not under torch.no_grad) before this step?")
+        wrong = {use.batch_size for use in uses} - {len(per_example_loss)}
+        if wrong:
+            raise UserError(f"Recorded layer calls have batch sizes {sorted(wrong)} but the loss has "
+                            f"{len(per_example_loss)} examples; run one forward pass per accumulate/step call "
+                            "and keep evaluation forwards under torch.no_grad().")
+        return uses
+
+    def _coefficients(self, norms_sq):
+        return clipping.clip_coefficients(norms_sq, self.max_grad_norm, self.clipping_layout, len(self.params))
+
+    def _ghost_backward(self, per_example_loss: Tensor) -> Tensor:
+        # Pass 1 differentiates only down to the recorded layer outputs: no weight gradients are formed.
+        torch.autograd.grad(per_example_loss.sum(), self.recorder.outputs(), retain_graph=True, allow_unused=True)
+        with torch.no_grad():
+            coef, norms = self._coefficients(clipping.norm_sq_per_parameter(self._uses_for(per_example_loss)))
+        for param in self.params:
+            param.grad = None
+        (per_example_loss * next(iter(coef.values())).detach()).sum().backward()
+        sums = {param: param.grad for param in self.params if param.grad is not None}
+        for param in self.params:
+            param.grad = None
+        self.dp_optimizer.add_clipped_sums(sums, len(per_example_loss))
+        return norms
+
+    # ------------------------------------------------------------------ sampling and accounting
+
+    def sampler(self, steps: int, generator_seed: int | None = None):
+        """The batch sampler this engine is accounted for: ``steps`` batches of dataset indices."""
+        if self.dataset_size is None:
+            raise UserError("The engine needs dataset_size to sample batches.")
+        generator = torch.Generator()
+        seed = random_seed() if self.secure_rng else (generator_seed if generator_seed is not None else self.seed)
+        generator.manual_seed(seed if seed is not None else random_seed())
+        kind = PoissonSampler if self.sampling == "poisson" else ShuffleSampler
+        return kind(self.dataset_size, self.sample_rate, steps, generator)
+
+    def accounting(self) -> dict[str, Any]:
+        """What the accountant needs: the sampled Gaussian mechanism run so far."""
+        return {"sample_rate": self.sample_rate, "noise_multiplier": self.noise_multiplier, "steps": self.steps,
+                "sampling": self.sampling, "matches_accounting": self.sampling == "poisson"}
+
+    def detach(self) -> None:
+        """Remove the hooks and give the parameters back to autograd."""
+        self.recorder.remove()
+        for param in self.params:
+            param.requires_grad_(True)
+
+
+def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"{what} must be one of {', '.join(choices)}, not '{value}'.")
+
+
+def _sampling_numbers(sample_rate, dataset_size, expected_batch_size) -> tuple[float, int | None, float]:
+    if expected_batch_size is None:
+        if sample_rate is None or dataset_size is None:
+            raise UserError("Give sample_rate and dataset_size (or expected_batch_size): the noisy sum is divided "
+                            "by the expected batch size B = q·n.")
+        expected_batch_size = sample_rate * dataset_size
+    elif sample_rate is None:
+        if dataset_size is None:
+            raise UserError("Give dataset_size with expected_batch_size so the sampling rate q = B/n is known.")
+        sample_rate = expected_batch_size / dataset_size
+    if not 0 < sample_rate <= 1 or expected_batch_size <= 0 or not math.isfinite(expected_batch_size):
+        raise UserError(f"The sampling rate must be in (0, 1] and the expected batch size positive "
+                        f"(got q={sample_rate}, B={expected_batch_size}).")
+    return float(sample_rate), dataset_size, float(expected_batch_size)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    private = set(params)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and param not in private:
+                raise UserError(f"The optimizer updates a parameter of shape {tuple(param.shape)} that is not a "
+                                "trainable parameter of the model given to the engine, so it would not be "
+                                "privatized; pass the model that owns it or remove it from the optimizer.")

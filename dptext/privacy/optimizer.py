@@ -1,0 +1,106 @@
+"""The DP optimizer: clipped sums in, one noisy step out (SPEC §1).
+
+Per logical step the clipped per-example gradients of all micro-batches are summed, Gaussian noise
+N(0, σ²C²) is added once, and the result is divided by the *expected* batch size B, never by the realised
+one (that would leak the batch size). The wrapped torch optimizer (SGD → DP-SGD, Adam → DP-Adam, AdamW → …)
+then steps on that gradient. A step whose Poisson batch is empty is valid: the gradient is noise / B.
+
+Noise is drawn on each parameter's device from a ``torch.Generator``: seeded for reproducible research runs,
+or, with ``secure_rng=True``, re-seeded from the operating system's cryptographic source (``os.urandom``,
+64 fresh bits per step and device). Our choice and its limit: torch's generators (Mersenne Twister on CPU,
+Philox on CUDA) are fast but not cryptographic, so the secure option makes the noise unpredictable from any
+seed a user or attacker could know, but is not a CSPRNG stream; a stronger source would need a cryptographic
+generator producing Gaussian samples on the device, which torch does not ship.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor, nn
+
+
+def random_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+
+
+class NoiseSource:
+    """One generator per device, seeded from ``seed`` or, when ``secure``, from os.urandom before every draw."""
+
+    def __init__(self, seed: int | None, secure: bool):
+        if secure and seed is not None:
+            raise ValueError("secure_rng draws its seeds from the operating system; do not pass a seed as well")
+        self.seed = seed
+        self.secure = secure
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            generator = torch.Generator(device=device)
+            seed = random_seed() if self.seed is None else self.seed + len(self._generators)
+            self._generators[device] = generator.manual_seed(seed)
+        return self._generators[device]
+
+    def reseed_if_secure(self) -> None:
+        if self.secure:
+            for generator in self._generators.values():
+                generator.manual_seed(random_seed())
+
+    def normal(self, std: float, like: Tensor) -> Tensor:
+        noise = torch.empty(like.shape, device=like.device, dtype=torch.float32)
+        return noise.normal_(0.0, std, generator=self.generator(like.device))
+
+
+class DPOptimizer:
+    """Wraps a torch optimizer: ``add_clipped_sums`` per micro-batch, then ``step`` once per logical batch."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], noise_multiplier: float,
+                 max_grad_norm: float, expected_batch_size: float, noise: NoiseSource):
+        self.optimizer = optimizer
+        self.params = params
+        self.noise_multiplier = noise_multiplier
+        self.max_grad_norm = max_grad_norm
+        self.expected_batch_size = expected_batch_size
+        self.noise = noise
+        self.summed: dict[nn.Parameter, Tensor] = {}
+        self.examples_seen = 0  # realised examples in this logical batch: for logging only, never for scaling
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def add_clipped_sums(self, sums: dict[nn.Parameter, Tensor], examples: int) -> None:
+        for param, total in sums.items():
+            total = total.to(device=param.device, dtype=torch.float32)
+            self.summed[param] = self.summed[param] + total if param in self.summed else total
+        self.examples_seen += examples
+
+    def privatized_grads(self) -> dict[nn.Parameter, Tensor]:
+        """(Σ_i ḡ_i + N(0, σ²C²)) / B for every parameter, in fp32; consumes the accumulated sums."""
+        self.noise.reseed_if_secure()
+        std = self.noise_multiplier * self.max_grad_norm
+        grads = {}
+        for param in self.params:
+            total = self.summed.get(param)
+            noisy = self.noise.normal(std, param) if std > 0 else torch.zeros_like(param, dtype=torch.float32)
+            grads[param] = (noisy if total is None else total + noisy) / self.expected_batch_size
+        self.zero_grad()
+        return grads
+
+    def step(self) -> None:
+        for param, grad in self.privatized_grads().items():
+            param.grad = grad.to(param.dtype)
+        self.optimizer.step()
+        for param in self.params:
+            param.grad = None  # the optimizer's grads are ours; nothing stale may leak into the next step
+
+    def zero_grad(self) -> None:
+        self.summed = {}
+        self.examples_seen = 0
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
