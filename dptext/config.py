@@ -57,9 +57,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     dataset: str = doc("e2e", "Dataset reader: e2e, dart, sst2, qnli, mnli, qqp, atis, snips, amazon, imdb, "
-                       "chitchat, personachat, jsonl, csv.")
+                       "yelp, chitchat, personachat, news, jsonl, csv, tsv (`dptext data --help`).")
     path: Optional[str] = doc(None, "Local file or folder to read; empty means the Hugging Face hub "
-                              "(or the offline package for imdb/chitchat).")
+                              "(or the installed package for imdb/chitchat/news).")
     text_column: Optional[str] = doc(None, "Text column for generic jsonl/csv data.")
     label_column: Optional[str] = doc(None, "Label column for generic jsonl/csv data.")
     max_train_examples: Optional[int] = doc(None, "Use only the first N training examples (after the seeded split).")

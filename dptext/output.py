@@ -139,12 +139,13 @@ class Output:
         cells = [[format_value(v) for v in row] for row in rows]
         if self.interactive:
             from rich.table import Table
+            from rich.text import Text
 
             table = Table(title=title)
             for col in columns:
                 table.add_column(col)
-            for row in cells:
-                table.add_row(*row)
+            for row in cells:  # Text, not markup: data such as E2E's "eatType[pub]" must print as is
+                table.add_row(*(Text(cell) for cell in row))
             self.console.print(table)
             return
         widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]

@@ -43,11 +43,6 @@ def data(
         out.warn(f"{name}: {message}")
     if summary["examples"]:
         columns, cells = example_table(summary["examples"])
-        if out.interactive:
-            # Rich tables read cells as markup: E2E's "eatType[pub]" would lose "[pub]" unless escaped.
-            from rich.markup import escape
-
-            cells = [[escape(c) for c in row] for row in cells]
         out.table(f"First {len(cells)} {summary['shown_split']} records", columns, cells)
     out.result(summary)
 
