@@ -1,0 +1,28 @@
+"""Privacy accounting for DP-SGD: pure numerics, no torch (SPEC §3).
+
+The mechanism is the Poisson-subsampled Gaussian (add/remove adjacency) with sampling
+rate q and noise multiplier σ per step; a run is a sequence of ``StepRun``s.
+
+* ``rdp``        Rényi DP, own implementation; improved (default) or classical conversion.
+* ``gdp``        Gaussian DP with the Poisson CLT: an approximation, labelled as such.
+* ``prv``        PRV accountant (``prv-accountant``): ε with lower / upper bounds.
+* ``epsilon``    ε by each method as one ``EpsilonResult`` type.
+* ``calibrate``  σ for a target (ε, δ), by bracketed root finding to 1e-4 relative.
+* ``schedule``   noise schedules (constant, linear, exponential decay by epoch, list).
+* ``ledger``     ``PrivacyLedger``: what a training run appends to and saves.
+* ``plan``       recipe / command-line options → (q, steps, δ); σ per shipped recipe.
+* ``curve``      ε against steps, per method.
+"""
+
+from dptext.accounting.calibrate import Calibration, calibrate_noise_multiplier
+from dptext.accounting.epsilon import METHODS, EpsilonResult, compute_all, compute_epsilon
+from dptext.accounting.events import StepRun, default_delta, resolve_delta, steps_for_epochs
+from dptext.accounting.ledger import PrivacyLedger
+from dptext.accounting.plan import PrivacyPlan, plan_for_recipe
+from dptext.accounting.schedule import CONSTANT, NoiseSchedule, parse_schedule
+
+__all__ = [
+    "METHODS", "CONSTANT", "Calibration", "EpsilonResult", "NoiseSchedule", "PrivacyLedger", "PrivacyPlan",
+    "StepRun", "calibrate_noise_multiplier", "compute_all", "compute_epsilon", "default_delta",
+    "parse_schedule", "plan_for_recipe", "resolve_delta", "steps_for_epochs",
+]

@@ -1,0 +1,104 @@
+"""From a recipe to its privacy plan (q, steps, δ) and the σ it would train with.
+
+``plan_for_recipe`` is the single place that turns ``train.batch_size``, ``train.epochs``
+(or ``train.max_steps``), ``privacy.delta`` and the training-set size into what the
+accountant needs, so that ``dptext account --eps 3`` and a training run that calibrates
+the same recipe agree on σ to the last digit: the accountant that calibrates a run is the
+one that reports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from dptext.accounting.calibrate import calibrate_noise_multiplier
+from dptext.accounting.events import (check_sample_rate, check_steps, resolve_delta, sample_rate_for,
+                                      steps_for_epochs, steps_per_epoch_for)
+from dptext.errors import UserError
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    dataset_size: int | None
+    sample_rate: float
+    steps: int
+    steps_per_epoch: int
+    delta: float
+    delta_source: str
+
+
+def plan_for_recipe(recipe: Any, dataset_size: int) -> PrivacyPlan:
+    """q = B/n, steps = ceil(epochs/q) unless train.max_steps is set, δ = privacy.delta or 1/(2n)."""
+    q = sample_rate_for(recipe.train.batch_size, dataset_size)
+    steps = recipe.train.max_steps or steps_for_epochs(recipe.train.epochs, q)
+    delta, source = resolve_delta(recipe.privacy.delta, dataset_size)
+    return PrivacyPlan(dataset_size, q, steps, steps_per_epoch_for(q), delta, source)
+
+
+def plan_from_options(sample_rate: float | None = None, steps: int | None = None, dataset_size: int | None = None,
+                      batch_size: int | None = None, epochs: float | None = None, delta: float | None = None
+                      ) -> PrivacyPlan:
+    """The plan of a command-line query: q from --sample-rate or --batch-size/--dataset-size, steps
+    from --steps or --epochs, δ from --delta or 1/(2n)."""
+    if sample_rate is not None and batch_size is not None:
+        raise UserError("Give either --sample-rate or --batch-size with --dataset-size, not both.")
+    if steps is not None and epochs is not None:
+        raise UserError("Give either --steps or --epochs, not both.")
+    if sample_rate is None:
+        if batch_size is None or dataset_size is None:
+            raise UserError("Give --sample-rate, or both --batch-size and --dataset-size (q = batch size / n).")
+        sample_rate = sample_rate_for(batch_size, dataset_size)
+    q = check_sample_rate(sample_rate)
+    if steps is None:
+        if epochs is None:
+            raise UserError("Give --steps, or --epochs (steps = epochs / q).")
+        steps = steps_for_epochs(epochs, q)
+    delta, source = resolve_delta(delta, dataset_size)
+    return PrivacyPlan(dataset_size, q, check_steps(steps), steps_per_epoch_for(q), delta, source)
+
+
+def shipped_recipes_dir() -> Path:
+    """``recipes/`` of the source checkout, next to the package."""
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def recipe_sigmas(target_epsilon: float, directory: Path | None = None, delta: float | None = None,
+                  train_size: Callable[[Any], int] | None = None) -> list[dict[str, Any]]:
+    """For each recipe in ``directory``, the σ its own accountant calibrates at ``target_epsilon``.
+
+    A recipe whose training-set size cannot be determined (e.g. no local data and no
+    published size) gets a row with the reason instead of stopping the whole listing.
+    """
+    from dptext.config import load_recipe
+
+    directory = Path(directory) if directory else shipped_recipes_dir()
+    paths = sorted(directory.glob("*.yaml")) + sorted(directory.glob("*.yml"))
+    if not paths:
+        raise UserError(f"No recipes (*.yaml) found in '{directory}'; pass --recipes DIR with your recipe files.")
+    if train_size is None:
+        from dptext.data import train_size
+    rows = []
+    for path in paths:
+        recipe = load_recipe(path)
+        row: dict[str, Any] = {"recipe": path.stem, "accountant": recipe.privacy.accountant}
+        pinned = recipe.privacy.noise_multiplier
+        pinned_note = f"the recipe pins σ={pinned:g}, which overrides this" if pinned is not None else ""
+        try:
+            plan = plan_for_recipe(recipe, train_size(recipe.data))
+            if delta is not None:
+                plan = PrivacyPlan(plan.dataset_size, plan.sample_rate, plan.steps, plan.steps_per_epoch,
+                                   *resolve_delta(delta, None))
+            calibration = calibrate_noise_multiplier(target_epsilon, plan.delta, plan.sample_rate, plan.steps,
+                                                     method=recipe.privacy.accountant,
+                                                     steps_per_epoch=plan.steps_per_epoch)
+        except UserError as exc:
+            rows.append({**row, "noise_multiplier": None, "note": str(exc)})
+            continue
+        rows.append({**row, "dataset_size": plan.dataset_size, "sample_rate": plan.sample_rate,
+                     "steps": plan.steps, "delta": plan.delta, "delta_source": plan.delta_source,
+                     "noise_multiplier": calibration.noise_multiplier, "epsilon": calibration.epsilon,
+                     "note": "; ".join(n for n in ("GDP approximation" if calibration.approximate else "",
+                                                   pinned_note) if n)})
+    return rows
