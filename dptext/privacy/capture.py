@@ -16,6 +16,7 @@ Two details keep the per-example gradients per example:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,15 @@ class UseRecorder:
         uses = [use for use in self.uses if use.grad_output is not None]
         self.uses = []
         return uses
+
+    @contextmanager
+    def paused(self):
+        """No recording while the engine itself calls layers (the torch.func fallback re-runs them)."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
 
     def outputs(self) -> list[Tensor]:
         return [use.output for use in self.uses if use.output is not None]

@@ -91,7 +91,7 @@ class PrivacyEngine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: float, sample_rate: float | None = None, dataset_size: int | None = None,
                  expected_batch_size: float | None = None, clipping_mode: str = "bookkeeping",
-                 clipping_layout: str = "all_layer", sampling: str = "poisson", seed: int | None = 0,
+                 clipping_layout: str = "all_layer", sampling: str = "poisson", seed: int | None = None,
                  secure_rng: bool = False, ledger: Callable[..., Any] | None = None):
         self.sample_rate, self.dataset_size, self.expected_batch_size = _sampling_numbers(
             sample_rate, dataset_size, expected_batch_size)
@@ -110,7 +110,9 @@ class PrivacyEngine:
         self.clipping_layout = clipping_layout
         self.sampling = sampling
         self.secure_rng = secure_rng
-        self.seed = None if secure_rng else seed
+        if secure_rng and seed is not None:
+            raise UserError("secure_rng draws noise and sampling seeds from the operating system; drop the seed.")
+        self.seed = None if secure_rng else (0 if seed is None else seed)
         self.ledger = ledger
         self.steps = 0
 
@@ -130,6 +132,10 @@ class PrivacyEngine:
 
     @torch.no_grad()
     def _clip_and_sum(self, uses) -> Tensor:
+        with self.recorder.paused():
+            return self._clip_and_sum_uses(uses)
+
+    def _clip_and_sum_uses(self, uses) -> Tensor:
         if self.clipping_mode == "bookkeeping":
             coef, norms = self._coefficients(clipping.norm_sq_per_parameter(uses))
             sums = clipping.clipped_sums(uses, coef)

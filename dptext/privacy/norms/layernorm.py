@@ -12,9 +12,10 @@ from dptext.privacy.norms.instantiated import clipped_sum_of, norm_sq_of
 from dptext.privacy.norms.registry import register_rule
 
 
-def positions_dims(grad_output: Tensor, normalized_ndim: int) -> tuple[int, ...]:
-    """The dimensions between the batch and the normalised ones: the positions summed over."""
-    return tuple(range(1, grad_output.ndim - normalized_ndim))
+def sum_over_positions(x: Tensor, normalized_ndim: int) -> Tensor:
+    """Sum the dimensions between the batch and the normalised ones (none for a (B, d) input)."""
+    positions = tuple(range(1, x.ndim - normalized_ndim))
+    return x.sum(dim=positions) if positions else x  # sum(dim=()) would sum everything
 
 
 @register_rule(nn.LayerNorm)
@@ -27,12 +28,12 @@ class LayerNormRule:
         return (x - mean) * (variance + module.eps).rsqrt()
 
     def per_example(self, module, names, normalized, grad_output) -> dict[str, Tensor]:
-        summed_over = positions_dims(grad_output, len(module.normalized_shape))
+        normalized_ndim = len(module.normalized_shape)
         grads = {}
         if "weight" in names:
-            grads["weight"] = (normalized * grad_output.float()).sum(dim=summed_over)
+            grads["weight"] = sum_over_positions(normalized * grad_output.float(), normalized_ndim)
         if "bias" in names:
-            grads["bias"] = grad_output.float().sum(dim=summed_over)
+            grads["bias"] = sum_over_positions(grad_output.float(), normalized_ndim)
         return grads
 
     def norm_sq(self, module, names, normalized, grad_output) -> dict[str, Tensor]:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.privacy.norms.instantiated import clipped_sum_of, norm_sq_of
+from dptext.privacy.norms.layernorm import sum_over_positions
 from dptext.privacy.norms.registry import register_rule
 
 TORCH_RMSNORM = (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
@@ -54,8 +55,7 @@ class RMSNormRule:
         return normalize(module, inputs[0])
 
     def per_example(self, module, names, normalized, grad_output) -> dict[str, Tensor]:
-        summed_over = tuple(range(1, grad_output.ndim - 1))
-        return {"weight": (normalized * grad_output.float()).sum(dim=summed_over)}
+        return {"weight": sum_over_positions(normalized * grad_output.float(), normalized_ndim=1)}
 
     def norm_sq(self, module, names, normalized, grad_output) -> dict[str, Tensor]:
         return norm_sq_of(self.per_example(module, names, normalized, grad_output))
