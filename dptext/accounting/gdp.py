@@ -42,7 +42,8 @@ def gdp_delta(epsilon: float, mu: float) -> float:
     """δ(ε) of a μ-GDP mechanism; the e^ε term is formed in log space so it cannot overflow."""
     if mu == 0:
         return 0.0
-    return float(ndtr(-epsilon / mu + mu / 2) - np.exp(epsilon + log_ndtr(-epsilon / mu - mu / 2)))
+    with np.errstate(over="ignore"):  # huge ε with huge μ: the term is inf only where δ(ε) is ~0 anyway
+        return float(ndtr(-epsilon / mu + mu / 2) - np.exp(epsilon + log_ndtr(-epsilon / mu - mu / 2)))
 
 
 def gdp_epsilon_from_mu(mu: float, delta: float) -> float:

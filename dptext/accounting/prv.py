@@ -38,7 +38,7 @@ class PrvEpsilon:
     merged_noise_levels: int = 0  # how many distinct (q, σ) were merged conservatively (0: none)
 
 
-def merge_noise_levels(levels: Sequence[tuple[float, float, int]], limit: int = MAX_NOISE_LEVELS
+def merge_noise_levels(levels: Sequence[tuple[float, float, int]], limit: int
                        ) -> tuple[list[tuple[float, float, int]], dict[tuple[float, float], int]]:
     """At most ``limit`` levels (q, σ, steps), and for each original (q, σ) the index of its level.
 
@@ -79,7 +79,7 @@ class PrvCurve:
         self.eps_error = eps_error
         self.runs = list(runs)
         distinct = group_runs(self.runs)
-        self.levels, self._level_index = merge_noise_levels(distinct)
+        self.levels, self._level_index = merge_noise_levels(distinct, MAX_NOISE_LEVELS)
         self.merged = len(distinct) if len(self.levels) < len(distinct) else 0
         if not self.levels:
             self._accountant = None

@@ -65,11 +65,16 @@ def account(
             raise UserError("--plot and --schedule need --sample-rate/--steps (or --dataset-size/--batch-size).")
         return _report_recipes(out, eps, recipes, delta)
 
+    from dptext.accounting.events import check_epsilon, check_noise_multiplier
     from dptext.accounting.plan import plan_from_options
     from dptext.accounting.schedule import parse_schedule
 
     plan = plan_from_options(sample_rate, steps, dataset_size, batch_size, epochs, delta)
     noise = parse_schedule(schedule)
+    if sigma is not None:
+        check_noise_multiplier(sigma)
+    else:
+        check_epsilon(eps)
     out.info(f"q={plan.sample_rate:.6g}, {plan.steps} steps, schedule {noise.describe()}, "
              f"δ={plan.delta:g} ({plan.delta_source})")
     if sigma is not None:
@@ -89,7 +94,8 @@ def _report_epsilon(out, plan, noise, sigma, methods, conversion, prv_eps_error,
     out.result({"query": "epsilon", **_plan_dict(plan), "noise_multiplier": sigma, "schedule": noise.describe(),
                 "results": [r.to_dict() for r in results]})
     if plot:
-        _plot(out, runs, plan.delta, methods, prv_eps_error, plot, f"σ={sigma:g}, q={plan.sample_rate:.4g}")
+        noise_text = f"σ={sigma:g}" if noise.kind == "constant" else f"σ₀={sigma:g} ({noise.describe()})"
+        _plot(out, runs, plan.delta, methods, prv_eps_error, plot, f"{noise_text}, q={plan.sample_rate:.4g}")
 
 
 def _report_sigma(out, plan, noise, eps, methods, conversion, prv_eps_error) -> None:
