@@ -33,7 +33,9 @@ def _dp_accounting_sigma(accountant_factory, q, steps, eps, delta, low, high):
         accountant_factory, event, eps, delta, mechanism_calibration.ExplicitBracketInterval(low, high), tol=1e-6)
 
 
-@pytest.mark.parametrize("eps,delta,q,steps", [(3.0, 1e-5, 0.02, 1000), (8.0, 1e-6, 0.005, 5000), (1.0, 1e-5, 0.1, 100)])
+@pytest.mark.parametrize("eps,delta,q,steps", [
+    (3.0, 1e-5, 0.02, 1000), (8.0, 1e-6, 0.005, 5000), (1.0, 1e-5, 0.1, 100),
+])
 def test_rdp_sigma_matches_dp_accounting(eps, delta, q, steps):
     pytest.importorskip("dp_accounting")
     from dp_accounting.rdp import rdp_privacy_accountant

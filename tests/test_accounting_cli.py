@@ -90,18 +90,26 @@ def test_eps_alone_lists_every_shipped_recipe(capsys, monkeypatch):
         assert row["sample_rate"] == recipe.train.batch_size / row["dataset_size"]
 
 
-def test_eps_alone_reports_recipes_whose_size_is_unknown(capsys, monkeypatch, tmp_path):
+def test_eps_alone_explains_recipes_it_cannot_calibrate(capsys, monkeypatch, tmp_path):
     import dptext.data
     from dptext.errors import UserError
 
-    def unknown(data_cfg):
-        raise UserError("The training size of x is only known from its data; pass data.path=.")
+    def size(data_cfg):
+        if data_cfg.dataset == "qqp":
+            raise UserError("The training size of x is only known from its data; pass data.path=.")
+        return 10_000
 
-    monkeypatch.setattr(dptext.data, "train_size", unknown)
-    (tmp_path / "mine.yaml").write_text("name: mine\ntrain:\n  batch_size: 64\n")
-    doc = account_json(capsys, "--eps", "3", "--recipes", str(tmp_path))
-    assert doc["results"] == [{"recipe": "mine", "accountant": "rdp", "noise_multiplier": None,
-                               "note": "The training size of x is only known from its data; pass data.path=."}]
+    monkeypatch.setattr(dptext.data, "train_size", size)
+    (tmp_path / "a-unknown.yaml").write_text("data:\n  dataset: qqp\n")
+    (tmp_path / "b-public.yaml").write_text("privacy:\n  enabled: false\n")
+    (tmp_path / "c-pinned.yaml").write_text("privacy:\n  noise_multiplier: 0.9\n  accountant: gdp\n"
+                                            "train:\n  batch_size: 100\n  epochs: 1\n")
+    rows = account_json(capsys, "--eps", "3", "--recipes", str(tmp_path))["results"]
+    assert rows[0] == {"recipe": "a-unknown", "accountant": "rdp", "noise_multiplier": None,
+                       "note": "The training size of x is only known from its data; pass data.path=."}
+    assert rows[1]["noise_multiplier"] is None and "non-private" in rows[1]["note"]
+    assert rows[2]["steps"] == 100 and rows[2]["delta"] == 5e-5 and rows[2]["noise_multiplier"] > 0
+    assert rows[2]["note"] == "GDP approximation; the recipe pins σ=0.9, which overrides this"
 
 
 def _run_with_ledger(tmp_path: Path, steps: int) -> Path:
@@ -119,6 +127,10 @@ def test_run_directory_reports_its_ledger(capsys, tmp_path):
     assert round(by_method(doc)["rdp"]["epsilon"], 3) == 2.101
     code, out, _ = account(capsys, str(run_dir))
     assert code == 0 and "ε spent after 1000 steps" in out
+    classical = account_json(capsys, str(run_dir), "--method", "rdp", "--conversion", "classical")
+    assert by_method(classical)["rdp"]["epsilon"] > by_method(doc)["rdp"]["epsilon"]
+    narrow = by_method(account_json(capsys, str(run_dir), "--method", "prv", "--prv-eps-error", "0.02"))["prv"]
+    assert narrow["upper"] - narrow["lower"] == pytest.approx(0.04, abs=1e-3)
 
 
 def test_plot_of_epsilon_against_steps(capsys, tmp_path):

@@ -12,7 +12,6 @@ PRV upper bound, and none for GDP.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -96,7 +95,3 @@ def compute_all(runs: Iterable[StepRun], delta: float, methods: Sequence[str] | 
     """ε by each of ``methods`` (default: all three), in that order."""
     runs = list(runs)
     return [compute_epsilon(m, runs, delta, conversion, prv_eps_error) for m in check_methods(methods)]
-
-
-def is_finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)

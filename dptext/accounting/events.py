@@ -95,7 +95,8 @@ def resolve_delta(delta: float | None, dataset_size: int | None) -> tuple[float,
         return check_delta(delta), "given"
     if dataset_size is not None:
         return default_delta(dataset_size), f"1/(2n) with n={dataset_size} (default when δ is not given)"
-    raise UserError("No δ given and the dataset size is unknown; pass --delta, or --dataset-size for δ = 1/(2n).")
+    raise UserError("No δ given and the dataset size is unknown; give δ (--delta, privacy.delta) "
+                    "or the dataset size (--dataset-size) for δ = 1/(2n).")
 
 
 def sample_rate_for(batch_size: int, dataset_size: int) -> float:

@@ -11,14 +11,13 @@ Usage::
 
     from dptext.accounting.ledger import PrivacyLedger
 
-    ledger = PrivacyLedger(delta=None, dataset_size=n, accountant="rdp")  # δ = 1/(2n)
-    for batch in loader:
-        ...
-        ledger.record_step(sample_rate=q, noise_multiplier=sigma)
-        progress.advance(eps=ledger.epsilon_spent())    # cached RDP: cheap every step
+    ledger = PrivacyLedger(delta=None, dataset_size=n, accountant="rdp")  # δ = 1/(2n), stated in delta_source
+    engine = PrivacyEngine(model, optimizer, ..., ledger=ledger.record_step)  # called after every noisy step
+    # (or by hand: ledger.record_step(sample_rate=q, noise_multiplier=sigma))
+    progress.advance(eps=ledger.epsilon_spent())        # RDP is cached: cheap every step
     run.save_ledger(ledger.to_dict())                   # with each checkpoint
 
-    ledger = PrivacyLedger.from_dict(run.load_ledger())  # on --resume
+    ledger = PrivacyLedger.from_dict(run.load_ledger())  # on --resume: the same account continues
 
 ``to_dict()`` holds q, σ per run, S, δ (and where it came from), the accountant, and ε by
 every method at save time (recomputed, never trusted, by ``from_dict``).
@@ -72,12 +71,17 @@ class PrivacyLedger:
         return total_steps(self._runs)
 
     # ------------------------------------------------------------------ ε
-    def epsilon(self, method: str | None = None, prv_eps_error: float | None = None) -> EpsilonResult:
+    def epsilon(self, method: str | None = None, conversion: str = "improved",
+                prv_eps_error: float | None = None) -> EpsilonResult:
         """ε spent so far by ``method`` (default: the run's accountant)."""
-        return compute_epsilon(method or self.accountant, self._runs, self.delta, prv_eps_error=prv_eps_error)
+        return compute_epsilon(method or self.accountant, self._runs, self.delta, conversion, prv_eps_error)
 
     def epsilon_spent(self) -> float | None:
-        """The guaranteed ε spent so far by the run's accountant (RDP bound / PRV upper)."""
+        """The guaranteed ε spent so far by the run's accountant (RDP bound / PRV upper; GDP's approximation).
+
+        RDP is cached per (q, σ), so asking every step costs microseconds; PRV recomposes
+        (a fraction of a second), so a PRV-accounted run should ask only when it logs.
+        """
         result = self.epsilon()
         return result.epsilon if result.approximate else result.guaranteed
 

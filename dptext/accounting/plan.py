@@ -9,7 +9,7 @@ one that reports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -68,8 +68,9 @@ def recipe_sigmas(target_epsilon: float, directory: Path | None = None, delta: f
                   train_size: Callable[[Any], int] | None = None) -> list[dict[str, Any]]:
     """For each recipe in ``directory``, the σ its own accountant calibrates at ``target_epsilon``.
 
-    A recipe whose training-set size cannot be determined (e.g. no local data and no
-    published size) gets a row with the reason instead of stopping the whole listing.
+    ``delta`` overrides every recipe's δ. A recipe whose training-set size cannot be
+    determined (e.g. no local data and no published size) gets a row with the reason
+    instead of stopping the whole listing.
     """
     from dptext.config import load_recipe
 
@@ -79,26 +80,26 @@ def recipe_sigmas(target_epsilon: float, directory: Path | None = None, delta: f
         raise UserError(f"No recipes (*.yaml) found in '{directory}'; pass --recipes DIR with your recipe files.")
     if train_size is None:
         from dptext.data import train_size
-    rows = []
-    for path in paths:
-        recipe = load_recipe(path)
-        row: dict[str, Any] = {"recipe": path.stem, "accountant": recipe.privacy.accountant}
-        pinned = recipe.privacy.noise_multiplier
-        pinned_note = f"the recipe pins σ={pinned:g}, which overrides this" if pinned is not None else ""
-        try:
-            plan = plan_for_recipe(recipe, train_size(recipe.data))
-            if delta is not None:
-                plan = PrivacyPlan(plan.dataset_size, plan.sample_rate, plan.steps, plan.steps_per_epoch,
-                                   *resolve_delta(delta, None))
-            calibration = calibrate_noise_multiplier(target_epsilon, plan.delta, plan.sample_rate, plan.steps,
-                                                     method=recipe.privacy.accountant,
-                                                     steps_per_epoch=plan.steps_per_epoch)
-        except UserError as exc:
-            rows.append({**row, "noise_multiplier": None, "note": str(exc)})
-            continue
-        rows.append({**row, "dataset_size": plan.dataset_size, "sample_rate": plan.sample_rate,
-                     "steps": plan.steps, "delta": plan.delta, "delta_source": plan.delta_source,
-                     "noise_multiplier": calibration.noise_multiplier, "epsilon": calibration.epsilon,
-                     "note": "; ".join(n for n in ("GDP approximation" if calibration.approximate else "",
-                                                   pinned_note) if n)})
-    return rows
+    return [_recipe_row(path.stem, load_recipe(path), target_epsilon, delta, train_size) for path in paths]
+
+
+def _recipe_row(name: str, recipe: Any, target_epsilon: float, delta: float | None,
+                train_size: Callable[[Any], int]) -> dict[str, Any]:
+    row: dict[str, Any] = {"recipe": name, "accountant": recipe.privacy.accountant}
+    if not recipe.privacy.enabled:
+        return {**row, "noise_multiplier": None, "note": "non-private recipe (privacy.enabled: false)"}
+    try:
+        plan = plan_for_recipe(recipe, train_size(recipe.data))
+        if delta is not None:
+            plan = replace(plan, delta=resolve_delta(delta, None)[0], delta_source="given on the command line")
+        calibration = calibrate_noise_multiplier(target_epsilon, plan.delta, plan.sample_rate, plan.steps,
+                                                 method=recipe.privacy.accountant,
+                                                 steps_per_epoch=plan.steps_per_epoch)
+    except UserError as exc:
+        return {**row, "noise_multiplier": None, "note": str(exc)}
+    notes = ["GDP approximation"] if calibration.approximate else []
+    if recipe.privacy.noise_multiplier is not None:
+        notes.append(f"the recipe pins σ={recipe.privacy.noise_multiplier:g}, which overrides this")
+    return {**row, "dataset_size": plan.dataset_size, "sample_rate": plan.sample_rate, "steps": plan.steps,
+            "delta": plan.delta, "delta_source": plan.delta_source, "noise_multiplier": calibration.noise_multiplier,
+            "epsilon": calibration.epsilon, "note": "; ".join(notes)}

@@ -23,7 +23,8 @@ from dptext.accounting.events import StepRun, check_noise_multiplier, check_samp
 from dptext.errors import UserError
 
 ScheduleKind = Literal["constant", "linear", "exp", "list"]
-SCHEDULE_HELP = "constant, linear:TAU (σ₀/(1+τt)), exp:TAU (σ₀·e^(−τt)) or list:F1,F2,... (σ₀·F_t), t = epoch"
+SCHEDULE_HELP = ("constant, linear:TAU (σ₀/(1+τt)), exp:TAU (σ₀·e^(−τt)) or list:F1,F2,... (σ₀·F_t), "
+                 "t = epoch")
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,12 @@ def account(
     run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory: report the ε its ledger has spent.",
                                                       show_default=False)] = None,
     eps: Annotated[Optional[float], typer.Option("--eps", "--epsilon", help="Target ε: find σ.")] = None,
-    sigma: Annotated[Optional[float], typer.Option("--sigma", "--noise-multiplier", help="Noise multiplier σ: find ε.")] = None,
-    delta: Annotated[Optional[float], typer.Option("--delta", help="δ (default 1/(2n) when --dataset-size is given).")] = None,
-    sample_rate: Annotated[Optional[float], typer.Option("--sample-rate", "-q", help="Poisson sampling rate q.")] = None,
+    sigma: Annotated[Optional[float], typer.Option(
+        "--sigma", "--noise-multiplier", help="Noise multiplier σ: find ε.")] = None,
+    delta: Annotated[Optional[float], typer.Option(
+        "--delta", help="δ (default 1/(2n) when --dataset-size is given).")] = None,
+    sample_rate: Annotated[Optional[float], typer.Option(
+        "--sample-rate", "-q", help="Poisson sampling rate q.")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Number of DP steps.")] = None,
     dataset_size: Annotated[Optional[int], typer.Option("--dataset-size", "-n", help="Training examples n.")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Expected batch size B (q = B/n).")] = None,
@@ -55,7 +58,7 @@ def account(
     if run_dir is not None:
         if eps is not None or sigma is not None or any(v is not None for v in plan_options) or schedule:
             raise UserError("A RUN_DIR is reported from its own ledger; drop --eps, --sigma and the step options.")
-        return _report_ledger(out, run_dir, methods, plot, prv_eps_error)
+        return _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error)
     if eps is not None and sigma is not None:
         raise UserError("Give either --eps (to find σ) or --sigma (to find ε), not both.")
     if sigma is None and eps is None:
@@ -89,7 +92,8 @@ def _report_epsilon(out, plan, noise, sigma, methods, conversion, prv_eps_error,
 
     runs = noise.step_runs(sigma, plan.sample_rate, plan.steps, plan.steps_per_epoch)
     results = compute_all(runs, plan.delta, methods, conversion, prv_eps_error)
-    out.table(f"ε after {plan.steps} steps with σ={sigma:g}, δ={plan.delta:g}", ["method", "ε", "lower", "upper", "note"],
+    out.table(f"ε after {plan.steps} steps with σ={sigma:g}, δ={plan.delta:g}",
+              ["method", "ε", "lower", "upper", "note"],
               [[LABELS[r.method], r.epsilon, r.lower, r.upper, r.note] for r in results])
     out.result({"query": "epsilon", **_plan_dict(plan), "noise_multiplier": sigma, "schedule": noise.describe(),
                 "results": [r.to_dict() for r in results]})
@@ -127,7 +131,7 @@ def _report_recipes(out, eps, directory, delta) -> None:
     out.result({"query": "recipes", "target_epsilon": eps, "results": rows})
 
 
-def _report_ledger(out, run_dir, methods, plot, prv_eps_error) -> None:
+def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> None:
     from dptext.accounting.ledger import PrivacyLedger
     from dptext.errors import UserError
     from dptext.runs import RunDir
@@ -136,7 +140,7 @@ def _report_ledger(out, run_dir, methods, plot, prv_eps_error) -> None:
     if data is None:
         raise UserError(f"'{run_dir}' has no privacy ledger yet: it has taken no DP step (or trains non-privately).")
     ledger = PrivacyLedger.from_dict(data)
-    results = [ledger.epsilon(m, prv_eps_error) for m in methods]
+    results = [ledger.epsilon(m, conversion, prv_eps_error) for m in methods]
     out.info(f"{run_dir}: {ledger.steps} steps in {len(ledger.runs)} run(s) of identical (q, σ), "
              f"δ={ledger.delta:g} ({ledger.delta_source}), accountant {ledger.accountant}")
     out.table(f"ε spent after {ledger.steps} steps", ["method", "ε", "lower", "upper", "note"],
