@@ -46,13 +46,19 @@ def _cross_term(first: tuple[Use, str], second: tuple[Use, str]) -> Tensor:
     return (grad_u.float() * grad_v.float()).flatten(1).sum(dim=1)
 
 
+def _sum_per_parameter(uses: list[Use], per_use) -> dict[nn.Parameter, Tensor]:
+    """Add up ``per_use(use)`` (a {parameter name: tensor} dict) over the uses of each parameter."""
+    totals: dict[nn.Parameter, Tensor] = {}
+    for use in uses:
+        for name, value in per_use(use).items():
+            param = getattr(use.module, name)
+            totals[param] = totals[param] + value if param in totals else value
+    return totals
+
+
 def norm_sq_per_parameter(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
     """(B,) fp32 squared per-example gradient norm of each parameter, cross terms of shared ones included."""
-    norms: dict[nn.Parameter, Tensor] = {}
-    for use in uses:
-        for name, norm_sq in use.rule.norm_sq(use.module, use.names, use.activation, use.grad_output).items():
-            param = getattr(use.module, name)
-            norms[param] = norms[param] + norm_sq if param in norms else norm_sq
+    norms = _sum_per_parameter(uses, lambda u: u.rule.norm_sq(u.module, u.names, u.activation, u.grad_output))
     for param, param_uses in uses_by_parameter(uses).items():
         for i, first in enumerate(param_uses):
             for second in param_uses[i + 1:]:
@@ -78,24 +84,16 @@ def clip_coefficients(norms_sq: dict[nn.Parameter, Tensor], max_grad_norm: float
 
 def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
     """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping)."""
-    sums: dict[nn.Parameter, Tensor] = {}
-    for use in uses:
+    def clipped_sum_of(use: Use) -> dict[str, Tensor]:
         use_coef = {name: coef[getattr(use.module, name)] for name in use.names}
-        for name, total in use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output,
-                                                use_coef).items():
-            param = getattr(use.module, name)
-            sums[param] = sums[param] + total if param in sums else total
-    return sums
+        return use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output, use_coef)
+
+    return _sum_per_parameter(uses, clipped_sum_of)
 
 
 def per_example_grads(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
     """(B, *shape) per-example gradients, summed over the uses of each parameter (the per_sample reference)."""
-    grads: dict[nn.Parameter, Tensor] = {}
-    for use in uses:
-        for name, grad in use.rule.per_example(use.module, use.names, use.activation, use.grad_output).items():
-            param = getattr(use.module, name)
-            grads[param] = grads[param] + grad if param in grads else grad
-    return grads
+    return _sum_per_parameter(uses, lambda u: u.rule.per_example(u.module, u.names, u.activation, u.grad_output))
 
 
 def clipped_sums_from_per_example(grads: dict[nn.Parameter, Tensor],

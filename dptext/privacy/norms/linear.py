@@ -48,8 +48,12 @@ def weight_norm_sq(a: Tensor, g: Tensor) -> Tensor:
 def weighted_outer_sum(coef: Tensor, left: Tensor, right: Tensor) -> Tensor:
     """Σ_i coef_i Σ_t left_{i,t} right_{i,t}ᵀ as one GEMM over all B·T positions."""
     dtype = torch.promote_types(left.dtype, right.dtype)
-    weighted = (left * coef.to(left.dtype)[:, None, None]).to(dtype)
-    return weighted.reshape(-1, left.shape[-1]).t() @ right.to(dtype).reshape(-1, right.shape[-1])
+    # Scale the narrower factor: for an LM head that is a (B, T, d), not the (B, T, V) output gradient.
+    if left.shape[-1] <= right.shape[-1]:
+        left = left * coef.to(left.dtype)[:, None, None]
+    else:
+        right = right * coef.to(right.dtype)[:, None, None]
+    return left.to(dtype).reshape(-1, left.shape[-1]).t() @ right.to(dtype).reshape(-1, right.shape[-1])
 
 
 @register_rule(nn.Linear)

@@ -1,0 +1,73 @@
+"""`dptext bench-memory`: time and memory of private training modes against non-private training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+from dptext.cli.common import JsonOption, make_output
+
+
+def bench_memory(
+    model: Annotated[str, typer.Argument(help="Model alias or hub name, e.g. tiny-gpt2 or smollm2-135m.")],
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Sequence length T.")] = 128,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Batch size B for the timed steps.")] = 8,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
+    steps: Annotated[int, typer.Option("--steps", help="Timed steps per mode (the median is reported).")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per mode.")] = 2,
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: nonprivate, per_sample, ghost, "
+                                       "bookkeeping, opacus, opacus_untied.")] =
+    "nonprivate,per_sample,ghost,bookkeeping,opacus,opacus_untied",
+    precision: Annotated[str, typer.Option("--precision", help="auto (bf16 autocast on GPU, fp32 on CPU), "
+                                           "fp32, bf16 or fp16.")] = "auto",
+    max_batch: Annotated[bool, typer.Option("--max-batch/--no-max-batch",
+                                            help="On GPU, search each mode's largest batch.")] = True,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for bench.json and bench.png "
+                                                "(default: runs/bench-memory-<model>-T<T>-B<B>).")] = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Step time and peak memory of non-private, per-sample, ghost, book-keeping and opacus training."""
+    from dptext import bench
+    from dptext.errors import UserError
+    from dptext.runs import atomic_write_json
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in bench.MODES]
+    if unknown:
+        raise UserError(f"Unknown mode(s) {', '.join(unknown)}; choose from {', '.join(bench.MODES)}.")
+    if precision not in ("auto", "fp32", "bf16", "fp16"):
+        raise UserError(f"Unknown precision '{precision}'; choose auto, fp32, bf16 or fp16.")
+    if seq_len < 2 or batch_size < 1 or steps < 1 or warmup < 0:
+        raise UserError("Use --seq-len ≥ 2, --batch-size ≥ 1, --steps ≥ 1 and --warmup ≥ 0.")
+    out_dir = out or Path("runs") / f"bench-memory-{Path(model).name}-T{seq_len}-B{batch_size}"
+    output = make_output(json_mode)
+    with output.progress(len(chosen), "bench-memory") as progress:
+        report = bench.run(model, seq_len, batch_size, device, steps, warmup, chosen, precision, max_batch,
+                           progress=lambda mode, result: progress.advance(mode=mode))
+    setup = report["setup"]
+    columns = ["mode", "status", "step s", "time ×", "peak MB", "memory ×"]
+    step_memory = setup["device"] == "cpu"
+    on_gpu = not step_memory
+    columns += ["step MB", "step memory ×"] if step_memory else []
+    columns += ["max batch"] if on_gpu and max_batch else []
+    rows = []
+    for r in report["results"]:
+        row = [r["mode"], r["status"], r.get("step_s"), r.get("time_ratio"), r.get("peak_mb"), r.get("memory_ratio")]
+        row += [r.get("step_mb"), r.get("step_memory_ratio")] if step_memory else []
+        row += [r.get("max_batch")] if on_gpu and max_batch else []
+        rows.append(row)
+    title = (f"{setup['model']}, T={setup['seq_len']}, batch {setup['batch_size']}, {setup['device']} "
+             f"({setup['precision']}): {setup['machine']}")
+    output.table(title, columns, rows)
+    atomic_write_json(out_dir / "bench.json", report)
+    if any("time_ratio" in r for r in report["results"]):
+        bench.write_chart(report, out_dir / "bench.png")
+    output.info(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+    output.result(report)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench-memory")(bench_memory)
