@@ -109,6 +109,12 @@ def test_prv_prefix_counts_follow_the_runs():
     assert curve.counts_after(120) == [100, 20]
     assert curve.counts_after(180) == [130, 50]
     assert curve.epsilon(curve.counts_after(180)) == curve.epsilon()
+    # A prefix that has not reached the second noise level yet (a zero count) is the
+    # account of the first level alone, up to the discretisation error.
+    prefix = curve.epsilon(curve.counts_after(60))
+    alone = prv.prv_epsilon([StepRun(0.01, 1.0, 60)], 1e-5)
+    assert curve.counts_after(60) == [60, 0]
+    assert prefix.estimate == pytest.approx(alone.estimate, abs=prv.DEFAULT_EPS_ERROR)
 
 
 def test_prv_refuses_meaningless_epsilon_and_reports_it():

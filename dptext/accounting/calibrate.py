@@ -44,6 +44,9 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
                                conversion: str = "improved", prv_bound: Literal["upper", "estimate"] = "upper",
                                prv_eps_error: float | None = None) -> Calibration:
     """σ₀ such that ``steps`` steps at rate ``sample_rate`` under ``schedule`` spend at most ``target_epsilon``."""
+    from dptext.accounting.epsilon import check_methods
+
+    method = check_methods([method])[0]
     target = check_epsilon(target_epsilon)
     delta = check_delta(delta)
     sample_rate = check_sample_rate(sample_rate)

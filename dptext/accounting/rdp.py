@@ -55,7 +55,10 @@ def _log_expm1(x: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=8)
 def _integer_binomials(alphas: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(k, log C(α, k), valid) for k = 2..max α: independent of q and σ, so computed once."""
+    """(k, log C(α, k) with −inf where k > α, α broadcast over k) for k = 2..max α.
+
+    They do not depend on q or σ, so they are computed once per set of orders.
+    """
     k = np.arange(2, max(alphas) + 1)
     a = np.asarray(alphas)[:, None]
     valid = k[None, :] <= a
@@ -210,7 +213,11 @@ def epsilon_from_rdp(rdp: np.ndarray, delta: float, orders: Iterable[float] = DE
         eps = rdp - np.log(delta) / (alphas - 1)
     else:
         raise ValueError(f"unknown RDP conversion {conversion!r}")
-    best = int(np.argmin(eps))
+    # Each order alone gives a valid bound, so a failed order (nan) can be skipped; none
+    # left is a bug, not a privacy statement.
+    if np.all(np.isnan(eps)):
+        raise FloatingPointError("RDP conversion failed at every order")
+    best = int(np.nanargmin(eps))
     return max(float(eps[best]), 0.0), float(alphas[best])
 
 
