@@ -43,6 +43,8 @@ def test_default_delta_is_one_over_two_n_and_stated():
     assert "1/(2n)" in ledger.delta_source and "50000" in ledger.delta_source
     with pytest.raises(UserError, match="No δ given"):
         PrivacyLedger()
+    from_plan = PrivacyLedger(1e-5, 50_000, delta_source=ledger.delta_source)  # δ computed by a PrivacyPlan
+    assert PrivacyLedger.from_dict(from_plan.to_dict(with_epsilon=False)).delta_source == ledger.delta_source
 
 
 def test_round_trip_through_plain_json():

@@ -12,6 +12,7 @@ Usage::
     from dptext.accounting.ledger import PrivacyLedger
 
     ledger = PrivacyLedger(delta=None, dataset_size=n, accountant="rdp")  # δ = 1/(2n), stated in delta_source
+    # (from a plan: PrivacyLedger(plan.delta, n, accountant, delta_source=plan.delta_source))
     engine = PrivacyEngine(model, optimizer, ..., ledger=ledger.record_step)  # called after every noisy step
     # (or by hand: ledger.record_step(sample_rate=q, noise_multiplier=sigma))
     progress.advance(eps=ledger.epsilon_spent())        # RDP is cached: cheap every step
@@ -38,8 +39,10 @@ class PrivacyLedger:
     """An append-only account of DP-SGD steps with ε per method."""
 
     def __init__(self, delta: float | None = None, dataset_size: int | None = None, accountant: str = "rdp",
-                 runs: Sequence[StepRun] = ()):
+                 runs: Sequence[StepRun] = (), delta_source: str | None = None):
+        """``delta_source`` overrides the stated origin of δ, e.g. ``PrivacyPlan.delta_source``."""
         self.delta, self.delta_source = resolve_delta(delta, dataset_size)
+        self.delta_source = delta_source or self.delta_source
         self.dataset_size = dataset_size
         self.accountant = check_methods([accountant])[0]
         self._runs: list[StepRun] = []
@@ -115,11 +118,11 @@ class PrivacyLedger:
         try:
             runs = [StepRun(float(r["sample_rate"]), float(r["noise_multiplier"]), int(r["steps"]))
                     for r in data["runs"]]
-            ledger = cls(delta=float(data["delta"]), accountant=data.get("accountant", "rdp"), runs=runs)
+            ledger = cls(delta=float(data["delta"]), accountant=data.get("accountant", "rdp"), runs=runs,
+                         delta_source=data.get("delta_source"))
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"The privacy ledger is damaged ({exc}); restore ledger.json from a checkpoint.") from None
         ledger.dataset_size = data.get("dataset_size")
-        ledger.delta_source = data.get("delta_source", "given")
         if data.get("steps", ledger.steps) != ledger.steps:
             raise UserError(f"The privacy ledger is inconsistent: it says {data['steps']} steps but its runs add up "
                             f"to {ledger.steps}; restore ledger.json from a checkpoint.")
