@@ -120,6 +120,9 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
+    split: Literal["validation", "test"] = doc(
+        "test", "Split of the final evaluation (periodic evaluations use validation). GLUE test has no labels.")
+    before_training: bool = doc(False, "Also evaluate the model before the first step, as a baseline.")
     beam_size: int = doc(5, "Beam size for generation tasks.")
     max_new_tokens: int = doc(64, "Maximum generated tokens per example.")
     batch_size: int = doc(32, "Evaluation batch size.")

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dptext.errors import UserError
 from dptext.paths import models_cache
+from dptext.runs import atomic_directory
 
 HEADS = ("causal_lm", "masked_lm", "sequence_classification", "token_classification", "base")
 
@@ -109,17 +108,9 @@ def smollm2_folder(force: bool = False) -> Path:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict())
     plain.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-    try:
+    with atomic_directory(target) as staging:
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

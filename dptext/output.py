@@ -58,6 +58,7 @@ class Progress:
         self.fields: dict[str, Any] = {}
         self._start = time.monotonic()
         self._last_plain = 0.0
+        self._last_plain_done = -1
         self._rich = None
         self._task = None
 
@@ -70,14 +71,16 @@ class Progress:
             self._maybe_print_plain()
 
     def _fields_text(self) -> str:
-        return "  ".join(f"{k}={format_value(v)}" for k, v in self.fields.items())
+        return "  ".join(f"{k}={format_value(v)}" for k, v in self.fields.items() if v is not None)
 
     def _maybe_print_plain(self, force: bool = False) -> None:
         now = time.monotonic()
         step = max(1, (self.total or 0) // 20)
+        if self.done == self._last_plain_done:
+            return
         if not force and now - self._last_plain < 10 and self.done % step and self.done != self.total:
             return
-        self._last_plain = now
+        self._last_plain, self._last_plain_done = now, self.done
         elapsed = now - self._start
         total = f"/{self.total}" if self.total else ""
         eta = ""

@@ -22,11 +22,13 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from dptext.errors import UserError
 
@@ -59,6 +61,25 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = 
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextmanager
+def atomic_directory(target: str | Path) -> Iterator[Path]:
+    """Yield a staging folder next to ``target``; on success it replaces ``target`` in one rename.
+
+    For outputs that are folders (a saved model): readers see the old folder or the complete new one.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield staging
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

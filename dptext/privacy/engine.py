@@ -232,6 +232,14 @@ class PrivacyEngine:
         return {"sample_rate": self.sample_rate, "noise_multiplier": self.noise_multiplier, "steps": self.steps,
                 "sampling": self.sampling, "matches_accounting": self.sampling == "poisson"}
 
+    def state_dict(self) -> dict[str, Any]:
+        """Steps taken and the noise generators' states (the wrapped optimizer is saved by its owner)."""
+        return {"steps": self.steps, "noise": self.dp_optimizer.noise.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = state["steps"]
+        self.dp_optimizer.noise.load_state_dict(state["noise"])
+
     def detach(self) -> None:
         """Remove the hooks and give the parameters back to autograd."""
         self.recorder.remove()

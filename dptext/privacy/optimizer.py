@@ -47,6 +47,14 @@ class NoiseSource:
             for generator in self._generators.values():
                 generator.manual_seed(random_seed())
 
+    def state_dict(self) -> dict:
+        """Each device generator's state, so a resumed run draws exactly the noise it would have drawn."""
+        return {str(device): generator.get_state() for device, generator in self._generators.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for device, generator_state in state.items():
+            self.generator(torch.device(device)).set_state(generator_state)
+
     def normal(self, std: float, like: Tensor) -> Tensor:
         noise = torch.empty(like.shape, device=like.device, dtype=torch.float32)
         return noise.normal_(0.0, std, generator=self.generator(like.device))

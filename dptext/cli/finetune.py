@@ -1,0 +1,59 @@
+"""`dptext finetune`: DP fine-tuning of a model on a dataset, as a recipe says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+from dptext.cli.common import JsonOption, OutOption, OverridesArgument, ResumeOption, make_output
+
+
+def finetune(
+    recipe: Annotated[Optional[Path], typer.Argument(help="Recipe YAML file (see recipes/).", show_default=False)] = None,
+    overrides: OverridesArgument = None,
+    out: OutOption = None,
+    resume: ResumeOption = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Fine-tune with DP-Adam/DP-SGD (or the non-private baseline) and report metrics and ε."""
+    from dptext.config import load_recipe
+    from dptext.errors import UserError
+    from dptext.finetune import run_finetune
+
+    output = make_output(json_mode)
+    if resume is not None and (recipe is not None or overrides):
+        raise UserError("--resume continues a run with its own resolved.yaml; drop the recipe and overrides.")
+    loaded = load_recipe(recipe, overrides or []) if recipe is not None else None
+    result = run_finetune(loaded, out=out, resume=resume, output=output)
+    render_result(output, result)
+    output.result(result)
+
+
+def render_result(output, result: dict) -> None:
+    rows = [[f"{name} ({result['eval_split']})", value, result["metrics_before_training"].get(name)]
+            for name, value in result["metrics"].items()]
+    privacy = result["privacy"]
+    if privacy["private"]:
+        for method, eps in privacy["epsilon"].items():
+            label = {"rdp": "ε (RDP bound)", "prv": "ε (PRV estimate [lower, upper])",
+                     "gdp": "ε (GDP, CLT approximation)"}[method]
+            value = eps["epsilon"]
+            if method == "prv" and eps.get("lower") is not None:
+                value = f"{eps['epsilon']:.4g} [{eps['lower']:.4g}, {eps['upper']:.4g}]"
+            rows.append([label, value, None])
+        rows += [["δ", privacy["delta"], None], ["σ (noise multiplier)", privacy["noise_multiplier"], None],
+                 ["C (clipping norm)", privacy["max_grad_norm"], None]]
+    else:
+        rows.append(["privacy", "none (non-private baseline)", None])
+    rows += [["steps", privacy["steps"], None], ["expected batch", privacy["expected_batch_size"], None],
+             ["time (s)", result["seconds"], None]]
+    output.table(f"{result['recipe']}: {result['model']} / {result['task']}", ["", "after training",
+                                                                              "before training"], rows)
+    output.info(f"Run directory: {result['run_dir']} (model in {result['model_dir']}, curves in metrics.jsonl)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("finetune")(finetune)

@@ -1,0 +1,113 @@
+"""``run_finetune``: one fine-tuning run from recipe to result, in its run directory.
+
+What the CLI calls and tests call. A run writes resolved.yaml and provenance.json first, then
+metrics.jsonl as it trains, checkpoints and ledger.json, the trained model in ``model/`` and
+finally result.json. ``resume=RUN_DIR`` reopens such a directory and continues from its newest
+complete checkpoint with the same recipe, the same samples, the same noise and the same privacy
+account.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from dptext.errors import UserError
+from dptext.runs import RunDir, atomic_directory
+
+MODEL_DIR = "model"
+
+
+def _evaluator(training: Any, output: Any):
+    def evaluate(records: list) -> dict[str, float]:
+        if not records:
+            return {}
+        task = training.task
+        with output.progress(task.evaluation_size(records), "evaluating") as progress:
+            return task.evaluate(training.model, records, batch_size=training.recipe.eval.batch_size,
+                                 on_progress=progress.advance)
+    return evaluate
+
+
+def save_model(training: Any, run: RunDir) -> Path:
+    """The trained model and tokenizer as a HF folder (atomically: temp folder, then rename)."""
+    target = run.path / MODEL_DIR
+    with atomic_directory(target) as staging:
+        training.model.save_pretrained(staging)
+        training.tokenizer.save_pretrained(staging)
+    return target
+
+
+def privacy_summary(training: Any) -> dict[str, Any]:
+    recipe, plan = training.recipe, training.plan
+    summary = {"private": training.private, "steps": plan.steps, "sample_rate": plan.sample_rate,
+               "expected_batch_size": plan.sample_rate * plan.dataset_size, "dataset_size": plan.dataset_size}
+    if not training.private:
+        return {**summary, "note": "non-private baseline: no clipping, no noise, no privacy guarantee"}
+    return {**summary, "noise_multiplier": training.noise_multiplier,
+            "max_grad_norm": recipe.privacy.max_grad_norm, "delta": plan.delta, "delta_source": plan.delta_source,
+            "accountant": recipe.privacy.accountant, "target_epsilon": recipe.privacy.target_epsilon,
+            "sampling": recipe.privacy.sampling, "clipping_mode": recipe.privacy.clipping_mode,
+            "epsilon": {r.method: r.to_dict() for r in training.ledger.report()}}
+
+
+def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str | Path | None = None,
+                 output: Any = None) -> dict[str, Any]:
+    from dptext.finetune.loop import restore, run_loop
+    from dptext.finetune.setup import build_training
+    from dptext.output import Output
+
+    output = output or Output(quiet=True)
+    if resume is not None:
+        run = RunDir.open(resume)
+        finished = run.load_result()
+        if finished is not None:
+            output.info(f"Run {run.path} already finished; its result is below.")
+            return finished
+        recipe = run.recipe()
+    elif recipe is None:
+        raise UserError("Give a recipe to fine-tune, or --resume RUN_DIR to continue a run.")
+    else:
+        run = RunDir.create(recipe, out)
+    output.info(f"Run directory: {run.path}")
+    started = time.monotonic()
+    training = build_training(recipe)
+    evaluate = _evaluator(training, output)
+    state = run.load_checkpoint() if resume is not None else None
+    start_step = restore(training, state) if state is not None else 0
+    if state is not None:
+        run.truncate_metrics_after(start_step)
+        output.info(f"Resuming at step {start_step} of {training.plan.steps}.")
+    _announce(training, output)
+
+    before = {}
+    if recipe.eval.before_training and start_step == 0:
+        before = evaluate(training.final_records)
+        run.log_metrics({"step": 0, "split": recipe.eval.split, "before_training": True, **before})
+    last = run_loop(training, run, output, start_step, evaluate)
+    final = evaluate(training.final_records)
+    run.log_metrics({"step": training.plan.steps, "split": recipe.eval.split, **final})
+    model_dir = save_model(training, run)
+    result = {
+        "run_dir": str(run.path), "recipe": recipe.name, "model": recipe.model.name, "task": recipe.task.type,
+        "eval_split": recipe.eval.split, "primary_metric": training.task.primary_metric,
+        "metrics": final, "metrics_before_training": before, "final_train_loss": last.get("loss"),
+        "privacy": privacy_summary(training), "model_dir": str(model_dir),
+        "physical_batch_size": training.physical_batch_size, **training.info,
+        "seconds": time.monotonic() - started,
+    }
+    run.save_result(result)
+    return result
+
+
+def _announce(training: Any, output: Any) -> None:
+    plan, recipe = training.plan, training.recipe
+    line = (f"{recipe.model.name} on {recipe.data.dataset}: n={plan.dataset_size}, q={plan.sample_rate:.4g}, "
+            f"{plan.steps} steps, micro-batch {training.physical_batch_size}")
+    if training.private:
+        line += (f"; DP with σ={training.noise_multiplier:.4g}, C={recipe.privacy.max_grad_norm:g}, "
+                 f"δ={plan.delta:.3g} ({plan.delta_source}), target ε={recipe.privacy.target_epsilon}")
+    else:
+        line += "; NON-PRIVATE baseline (privacy.enabled=false)"
+    output.info(line)

@@ -1,0 +1,199 @@
+"""Everything a fine-tuning run needs, built from its recipe: data, task, model, optimizer, privacy.
+
+``build_training(recipe)`` returns a ``Training`` bundle; the loop (``dptext.finetune.loop``)
+only iterates it. Privacy numbers come from one place: ``plan_for_recipe`` gives q, steps and
+δ, the recipe's accountant calibrates σ, and the same q and σ drive the engine, the sampler and
+the ledger, so the ε reported is the ε of the run that happened.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from dptext.errors import UserError
+
+CPU_PHYSICAL_BATCH = 16  # CPU RAM is rarely the limit at these model sizes; an OOM there kills the process
+GPU_PROBE_START = 256
+
+
+@dataclass
+class Training:
+    recipe: Any
+    device: Any
+    task: Any
+    model: Any
+    tokenizer: Any
+    optimizer: Any
+    examples: list
+    eval_records: list
+    final_records: list
+    plan: Any
+    noise_multiplier: float | None
+    engine: Any = None  # None for the non-private baseline
+    ledger: Any = None
+    sampler: Any = None
+    physical_batch_size: int = CPU_PHYSICAL_BATCH
+    autocast_dtype: Any = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def private(self) -> bool:
+        return self.engine is not None
+
+
+def pick_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"train.device={name} but no CUDA GPU is visible; use train.device=cpu or auto.")
+    return torch.device(name)
+
+
+def autocast_dtype(precision: str, device) -> Any:
+    import torch
+
+    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+        return None
+    if device.type != "cuda":
+        raise UserError(f"train.precision={precision} needs a GPU; use fp32 (or auto) on CPU.")
+    return torch.float16 if precision == "fp16" else torch.bfloat16
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def untie_output_embedding(model: Any) -> None:
+    """Give the LM head its own copy of the tied input embedding (only on explicit request)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    if head is None:
+        raise UserError("model.untie_embeddings=true but this model has no output embedding to untie.")
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+
+
+def make_optimizer(recipe: Any, params: list):
+    import torch
+
+    cfg = recipe.train
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+
+
+def load_splits(recipe: Any) -> tuple[list, list, list]:
+    from dptext.data import load_records
+
+    train = load_records(recipe.data, "train")
+    if not train:
+        raise UserError("The training split is empty; check data.path and data.max_train_examples.")
+    validation = load_records(recipe.data, "validation")
+    final = validation if recipe.eval.split == "validation" else load_records(recipe.data, "test")
+    return train, validation, final
+
+
+def noise_for(recipe: Any, plan: Any) -> float:
+    """σ: the recipe's pinned noise multiplier, or calibrated to the target ε by the recipe's accountant."""
+    from dptext.accounting import calibrate_noise_multiplier
+
+    privacy = recipe.privacy
+    if privacy.noise_multiplier is not None:
+        return privacy.noise_multiplier
+    if privacy.target_epsilon is None:
+        raise UserError("Set privacy.target_epsilon (or privacy.noise_multiplier), or privacy.enabled=false "
+                        "for a non-private baseline.")
+    return calibrate_noise_multiplier(privacy.target_epsilon, plan.delta, plan.sample_rate, plan.steps,
+                                      method=privacy.accountant, steps_per_epoch=plan.steps_per_epoch
+                                      ).noise_multiplier
+
+
+def build_training(recipe: Any) -> Training:
+    import torch
+
+    from dptext.accounting import PrivacyLedger, plan_for_recipe
+    from dptext.adaptation import apply_adaptation, trainable_summary
+    from dptext.models import load_model, load_tokenizer
+    from dptext.privacy import PrivacyEngine
+    from dptext.privacy.sampler import PoissonSampler
+    from dptext.tasks import build_task
+
+    seed_everything(recipe.train.seed)
+    device = pick_device(recipe.train.device)
+    train, validation, final = load_splits(recipe)
+    task = build_task(recipe, load_tokenizer(recipe.model.name), train)
+    model, tokenizer = load_model(recipe.model.name, head=task.head, num_labels=task.num_labels,
+                                  random_init=recipe.model.adaptation == "retrain", seed=recipe.train.seed)
+    if recipe.model.untie_embeddings:
+        untie_output_embedding(model)
+    model = apply_adaptation(model, recipe).to(device)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(recipe, params)
+    plan = plan_for_recipe(recipe, len(train))
+    training = Training(recipe=recipe, device=device, task=task, model=model, tokenizer=tokenizer,
+                        optimizer=optimizer, examples=task.encode(train), eval_records=validation,
+                        final_records=final, plan=plan, noise_multiplier=None,
+                        autocast_dtype=autocast_dtype(recipe.train.precision, device),
+                        info={**trainable_summary(model), "dataset_size": len(train)})
+    privacy = recipe.privacy
+    if privacy.enabled:
+        training.noise_multiplier = noise_for(recipe, plan)
+        training.ledger = PrivacyLedger(delta=privacy.delta, dataset_size=len(train), accountant=privacy.accountant)
+        training.engine = PrivacyEngine(
+            model, optimizer, noise_multiplier=training.noise_multiplier, max_grad_norm=privacy.max_grad_norm,
+            sample_rate=plan.sample_rate, dataset_size=len(train), clipping_mode=privacy.clipping_mode,
+            clipping_layout=privacy.clipping_layout, sampling=privacy.sampling,
+            seed=None if privacy.secure_rng else recipe.train.seed, secure_rng=privacy.secure_rng,
+            ledger=training.ledger.record_step)
+        training.sampler = training.engine.sampler(plan.steps)
+    else:  # the same Poisson batches, no clipping or noise: the non-private baseline of the same recipe
+        generator = torch.Generator().manual_seed(recipe.train.seed)
+        training.sampler = PoissonSampler(len(train), plan.sample_rate, plan.steps, generator)
+    training.physical_batch_size = recipe.train.physical_batch_size or choose_physical_batch_size(training)
+    return training
+
+
+def choose_physical_batch_size(training: Training) -> int:
+    """The largest power-of-two micro-batch (≤ expected batch) that survives a step on the longest examples (GPU).
+
+    On CPU a fixed size is used: host memory rarely limits these models, and running out of it kills the
+    process instead of raising an error we could recover from. The micro-batch size does not change privacy.
+    """
+    import torch
+
+    expected = max(1, int(round(training.plan.sample_rate * len(training.examples))))
+    if training.device.type != "cuda":
+        return min(CPU_PHYSICAL_BATCH, expected)
+    longest = sorted(training.examples, key=lambda e: len(e.input_ids), reverse=True)
+    size = min(GPU_PROBE_START, expected)
+    while size > 1:
+        try:
+            batch = {k: v.to(training.device) for k, v in training.task.collate(longest[:size]).items()}
+            with torch.autocast("cuda", dtype=training.autocast_dtype, enabled=training.autocast_dtype is not None):
+                loss = training.task.per_example_loss(training.model, batch)
+            if training.engine is not None:
+                training.engine.accumulate(loss)
+                training.engine.zero_grad()
+            else:
+                loss.sum().backward()
+                training.optimizer.zero_grad(set_to_none=True)
+            return size
+        except torch.cuda.OutOfMemoryError:
+            if training.engine is not None:
+                training.engine.zero_grad()
+            torch.cuda.empty_cache()
+            size //= 2
+    return 1

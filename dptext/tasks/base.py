@@ -1,0 +1,55 @@
+"""What every training objective provides to the fine-tuning loop.
+
+A task turns records into tokenised ``Example``s, pads them into batches, computes one loss
+per example (never a batch average: DP clips each example, SPEC §1) and evaluates a model on
+held-out records. The loop knows nothing else about the task.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from dptext.tasks.encoding import Example, pad_batch
+
+
+class Task:
+    """Base class: subclasses set ``head`` and ``primary_metric`` and implement the four hooks."""
+
+    head = "causal_lm"  # the model head dptext.models.load_model must build
+    primary_metric = "perplexity"
+    higher_is_better = False
+
+    def __init__(self, recipe: Any, tokenizer: Any):
+        self.recipe = recipe
+        self.tokenizer = tokenizer
+        self.max_length = recipe.data.max_length
+        self.reduction = recipe.task.loss_reduction
+
+    @property
+    def num_labels(self) -> int | None:
+        """Output classes for classification heads; None for language-model heads."""
+        return None
+
+    def encode(self, records: Sequence[dict[str, Any]]) -> list[Example]:
+        raise NotImplementedError  # pragma: no cover - each task defines it
+
+    def collate(self, examples: Sequence[Example]) -> dict[str, Any]:
+        return pad_batch(examples, self.tokenizer.pad_token_id)
+
+    def per_example_loss(self, model: Any, batch: dict[str, Any]):
+        """A (B,) tensor: each example's loss over its own tokens only."""
+        raise NotImplementedError  # pragma: no cover
+
+    def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
+                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
+        """The task's metrics on ``records`` (a held-out split)."""
+        raise NotImplementedError  # pragma: no cover
+
+    def evaluation_size(self, records: Sequence[dict[str, Any]]) -> int:
+        """Units of work ``evaluate`` reports through ``on_progress`` (for a progress bar)."""
+        return len(records)
+
+
+def batches(items: Sequence[Any], size: int):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]

@@ -1,0 +1,101 @@
+"""Sentence(-pair) classification with a classification head on any encoder (or decoder).
+
+Records carry ``text`` (and ``text_pair`` for pair tasks such as QNLI/MNLI/QQP) and an integer
+``label``; the metric is accuracy. The head is new and randomly initialised, as in Li et al.'s
+"full fine-tuning with a classification head" rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from dptext import metrics
+from dptext.errors import UserError
+from dptext.tasks.base import Task, batches
+from dptext.tasks.encoding import Example
+
+
+def count_labels(dataset: str, records: Sequence[dict[str, Any]]) -> int:
+    """Classes from the dataset's label names, else from the labels seen in training records."""
+    from dptext.data import label_names
+
+    names = label_names(dataset)
+    if names:
+        return len(names)
+    labels = {r.get("label") for r in records}
+    if None in labels or not all(isinstance(label, int) for label in labels):
+        raise UserError("Classification needs an integer 'label' in every training record; "
+                        "set data.label_column to the column holding the class.")
+    return max(labels) + 1
+
+
+class ClassificationTask(Task):
+    head = "sequence_classification"
+    primary_metric = "accuracy"
+    higher_is_better = True
+
+    def __init__(self, recipe: Any, tokenizer: Any, train_records: Sequence[dict[str, Any]]):
+        super().__init__(recipe, tokenizer)
+        self._num_labels = count_labels(recipe.data.dataset, train_records)
+
+    @property
+    def num_labels(self) -> int:
+        return self._num_labels
+
+    def encode(self, records: Sequence[dict[str, Any]]) -> list[Example]:
+        examples = []
+        for record in records:
+            if record.get("label") is None:
+                raise UserError("A record without a label reached training or evaluation; unlabelled splits "
+                                "(e.g. GLUE test) cannot be scored, use the validation split.")
+            encoded = self.tokenizer(record["text"], record.get("text_pair"), truncation=True,
+                                     max_length=self.max_length)
+            extra = {"label": int(record["label"])}
+            if "token_type_ids" in encoded:
+                extra["token_type_ids"] = encoded["token_type_ids"]
+            examples.append(Example(input_ids=encoded["input_ids"], labels=[], extra=extra))
+        return examples
+
+    def collate(self, examples: Sequence[Example]) -> dict[str, Any]:
+        import torch
+
+        width = max((len(e.input_ids) for e in examples), default=0)
+        pad = self.tokenizer.pad_token_id
+        batch = {
+            "input_ids": torch.tensor([e.input_ids + [pad] * (width - len(e.input_ids)) for e in examples],
+                                      dtype=torch.long).reshape(len(examples), width),
+            "attention_mask": torch.tensor([[1] * len(e.input_ids) + [0] * (width - len(e.input_ids))
+                                            for e in examples], dtype=torch.long).reshape(len(examples), width),
+            "labels": torch.tensor([e.extra["label"] for e in examples], dtype=torch.long),
+        }
+        if examples and "token_type_ids" in examples[0].extra:
+            batch["token_type_ids"] = torch.tensor(
+                [e.extra["token_type_ids"] + [0] * (width - len(e.input_ids)) for e in examples], dtype=torch.long)
+        return batch
+
+    def logits(self, model: Any, batch: dict[str, Any]):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return model(**inputs).logits
+
+    def per_example_loss(self, model: Any, batch: dict[str, Any]):
+        from dptext.privacy.losses import per_example_loss
+
+        return per_example_loss(self.logits(model, batch), batch["labels"])
+
+    def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
+                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
+        import torch
+
+        device = next(model.parameters()).device
+        predictions, labels = [], []
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            for chunk in batches(self.encode(records), batch_size):
+                batch = {k: v.to(device) for k, v in self.collate(chunk).items()}
+                predictions += self.logits(model, batch).argmax(-1).tolist()
+                labels += batch["labels"].tolist()
+                if on_progress:
+                    on_progress(len(chunk))
+        model.train(was_training)
+        return {"accuracy": metrics.accuracy(predictions, labels)}

@@ -1,0 +1,123 @@
+"""Causal-LM objectives: plain (optionally control-coded) text, table-to-text, dialog responses.
+
+All three train on prompt → completion with loss on the completion tokens only, and report
+the completion perplexity on held-out records. Table-to-text adds generation (beam search)
+scored by BLEU and ROUGE-L against all references of an input (Li et al. §5); dialog adds
+generation scored by unigram F1 against the reference response.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from dptext import metrics
+from dptext.tasks import text_format
+from dptext.tasks.base import Task, batches
+from dptext.tasks.encoding import Example, encode_prompt_completion
+from dptext.tasks.generation import generate_completions
+
+
+class LanguageModelingTask(Task):
+    """Text (``record["text"]``), preceded by its control code when the recipe names code fields."""
+
+    head = "causal_lm"
+    primary_metric = "perplexity"
+    higher_is_better = False
+
+    def prompt_and_completion(self, record: dict[str, Any]) -> tuple[str, str]:
+        fields = self.recipe.task.control_codes
+        if fields:  # the code conditions the text but is not itself learnt (DistilDP, SPEC §6)
+            return text_format.control_code(record, fields) + "\n", record["text"]
+        return "", record["text"]
+
+    def encode(self, records: Sequence[dict[str, Any]]) -> list[Example]:
+        return [encode_prompt_completion(self.tokenizer, *self.prompt_and_completion(r), self.max_length)
+                for r in records]
+
+    def per_example_loss(self, model: Any, batch: dict[str, Any]):
+        from dptext.privacy.losses import per_example_loss
+
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return per_example_loss(logits, batch["labels"], batch["attention_mask"], shift=True,
+                                reduction=self.reduction)
+
+    def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
+                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
+        return {"perplexity": self.perplexity(model, records, batch_size, on_progress)}
+
+    def generate(self, model: Any, prompts: list[str], batch_size: int,
+                 on_progress: Callable[[int], None] | None = None) -> list[str]:
+        """Completions by beam search with the recipe's eval settings (evaluation, not DP decoding)."""
+        return generate_completions(model, self.tokenizer, prompts, beam_size=self.recipe.eval.beam_size,
+                                    max_new_tokens=self.recipe.eval.max_new_tokens, batch_size=batch_size,
+                                    on_batch=on_progress)
+
+    def perplexity(self, model: Any, records: Sequence[dict[str, Any]], batch_size: int,
+                   on_progress: Callable[[int], None] | None = None) -> float:
+        """exp(total completion-token NLL / completion tokens) over ``records``."""
+        import torch
+
+        from dptext.privacy.losses import per_example_loss
+
+        device = next(model.parameters()).device
+        total_nll, total_tokens = 0.0, 0
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            for chunk in batches(self.encode(records), batch_size):
+                batch = {k: v.to(device) for k, v in self.collate(chunk).items()}
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                nll = per_example_loss(logits, batch["labels"], batch["attention_mask"], shift=True, reduction="sum")
+                total_nll += nll.sum().item()
+                total_tokens += int((batch["labels"][:, 1:] != -100).sum())
+                if on_progress:
+                    on_progress(len(chunk))
+        model.train(was_training)
+        return metrics.perplexity(total_nll, total_tokens)
+
+
+class TableToTextTask(LanguageModelingTask):
+    """E2E / DART: linearised table → reference text; BLEU and ROUGE-L by beam search."""
+
+    primary_metric = "bleu"
+    higher_is_better = True
+
+    def prompt_and_completion(self, record: dict[str, Any]) -> tuple[str, str]:
+        return text_format.table_prompt(record), " " + record["ref"]
+
+    def evaluation_size(self, records: Sequence[dict[str, Any]]) -> int:
+        from dptext.data import group_references
+
+        return len(records) + len(group_references(records))
+
+    def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
+                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
+        from dptext.data import group_references
+
+        groups = group_references(records)
+        hypotheses = self.generate(model, [text_format.table_prompt(g) for g in groups], batch_size, on_progress)
+        references = [g["refs"] for g in groups]
+        return {"bleu": metrics.corpus_bleu(hypotheses, references),
+                "rouge_l": metrics.rouge_l(hypotheses, references),
+                "perplexity": self.perplexity(model, records, batch_size, on_progress)}
+
+
+class DialogTask(LanguageModelingTask):
+    """History → response (chitchat, Persona-Chat); unigram F1 of generated responses and perplexity."""
+
+    primary_metric = "f1"
+    higher_is_better = True
+
+    def prompt_and_completion(self, record: dict[str, Any]) -> tuple[str, str]:
+        return text_format.dialog_prompt(record), " " + record["response"]
+
+    def evaluation_size(self, records: Sequence[dict[str, Any]]) -> int:
+        return 2 * len(records)
+
+    def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
+                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
+        hypotheses = self.generate(model, [text_format.dialog_prompt(r) for r in records], batch_size, on_progress)
+        # A reply ends at its first line break: the next line would be the other speaker.
+        hypotheses = [h.split("\n", 1)[0] for h in hypotheses]
+        return {"f1": metrics.mean_token_f1(hypotheses, [r["response"] for r in records]),
+                "perplexity": self.perplexity(model, records, batch_size, on_progress)}
