@@ -159,3 +159,14 @@ def test_mask_filling_needs_a_mask(roberta):
     model, tokenizer = roberta
     with pytest.raises(UserError, match="mask"):
         dp_fill_masks(model, tokenizer, "no mask here", lam=0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_same_distribution_on_gpu(gpt2):
+    logits = torch.randn(4, V)
+    on_gpu = DPSamplingLogitsProcessor(0.7, V)(None, logits.cuda()).cpu()
+    assert torch.allclose(on_gpu, DPSamplingLogitsProcessor(0.7, V)(None, logits), atol=1e-6)
+    model, tokenizer = gpt2
+    out = dp_generate(model.cuda(), tokenizer, ["Hi"] * 4, lam=0.5, max_new_tokens=3, seed=0)
+    model.cpu()
+    assert len(out.token_ids) == 4 and out.support_size == V

@@ -10,14 +10,14 @@ from typing_extensions import Annotated
 
 from dptext.cli.common import JsonOption, make_output
 
-HELP = """Sample from a trained model with a per-query DP guarantee (Majmudar et al.), or measure the
-privacy/utility trade-off on held-out text.
+HELP = """Sample from a trained model with a per-query DP guarantee (Majmudar et al.), or measure the privacy/utility trade-off on held-out text.
 
-Each next-token (or masked-token) distribution q is mixed with the uniform one, q' = λq + (1−λ)u,
-and tokens are drawn at random from q'. One query of at most T sampled tokens is ε-DP with
-ε = T·log((1 + (|V|−1)λ)/(1−λ)), |V| = the model's output dimension. Random sampling only.
+Each next-token (or masked-token) distribution q is mixed with the uniform one, q' = λq + (1−λ)u, and tokens are drawn at random from q' (random sampling only: greedy, beam search, top-k and top-p are refused). One query of at most T sampled tokens is ε-DP with ε = T·log((1 + (|V|−1)λ)/(1−λ)), |V| = the model's output dimension.
+
+Examples:
 
   dptext decode --model smollm2-135m --lambda 0.8 --prompt "The food was" --max-new-tokens 20
+
   dptext decode --model smollm2-135m --data held_out.txt --sweep 0.1:1.0:0.1 --plot sweep.png
 """
 

@@ -18,6 +18,7 @@ from dptext.decoding.public_support import PublicTopKDPLogitsProcessor, check_sh
 from dptext.decoding.sampling_rules import SAFE_GENERATE_ARGS, refuse_unsafe_decoding
 from dptext.errors import UserError
 
+
 @dataclass(frozen=True)
 class PrivateOutput:
     """Outputs of one batch of queries and the privacy each one cost."""

@@ -11,11 +11,12 @@ from dptext.runs import atomic_write
 
 
 def plot_sweep(result: SweepResult, path: str | Path, title: str = "") -> Path:
-    """Write a PNG of perplexity (log scale) against ε per example; λ = 1 (ε = ∞) is the dotted line."""
+    """Write a PNG of perplexity against ε per example; λ = 1 (ε = ∞) is the dotted line."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     finite = [row for row in result.rows if math.isfinite(row.epsilon)]
     figure, axes = plt.subplots(figsize=(6.4, 4.2), dpi=120)
@@ -26,7 +27,11 @@ def plot_sweep(result: SweepResult, path: str | Path, title: str = "") -> Path:
                       fontsize=7)
     axes.axhline(result.baseline_perplexity, linestyle=":", color="black",
                  label=f"no privacy (λ=1): {result.baseline_perplexity:.3g}")
-    axes.set_yscale("log")
+    # like the paper, a linear axis; a sweep reaching λ near 0 (perplexity → |V|) needs a log one
+    values = [r.perplexity for r in finite] + [result.baseline_perplexity]
+    if max(values) / min(values) > 50:
+        axes.set_yscale("log")
+        axes.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
     axes.set_xlabel(f"ε per example (T = {result.tokens_per_example:.2f} predicted tokens, |V| = {result.vocab_size})")
     axes.set_ylabel("perplexity under q'")
     axes.set_title(title or f"Perplexity vs ε ({result.kind}, {result.examples} examples)", fontsize=10)

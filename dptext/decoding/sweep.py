@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Callable
 
 from dptext.decoding.loading import CAUSAL
-from dptext.decoding.mechanism import check_lambda, epsilon_for_lambda, epsilon_per_token
+from dptext.decoding.mechanism import (
+    check_lambda,
+    epsilon_for_lambda,
+    epsilon_per_token,
+    perturbed_log_prob_of_targets,
+)
 from dptext.errors import UserError
 
 MASK_FRACTION = 0.15
@@ -166,8 +171,6 @@ def perplexity_sweep(model, tokenizer, kind: str, texts: list[str], lambdas: lis
                      on_batch: Callable[[], None] = lambda: None) -> SweepResult:
     """Perplexity under q' for each λ, with the ε each λ costs per example. |V| = logits size."""
     import torch
-
-    from dptext.decoding.mechanism import perturbed_log_prob_of_targets
 
     with torch.inference_mode():
         if kind == CAUSAL:
