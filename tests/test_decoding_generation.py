@@ -72,7 +72,9 @@ def test_hostile_generation_config_cannot_truncate_the_support(gpt2):
     saved = model.generation_config.to_dict()
     try:
         for key, value in dict(top_k=5, top_p=0.5, min_p=0.3, temperature=0.2, typical_p=0.5, epsilon_cutoff=0.01,
-                               eta_cutoff=0.01, renormalize_logits=True, do_sample=False, num_beams=3).items():
+                               eta_cutoff=0.01, renormalize_logits=True, do_sample=False, num_beams=3,
+                               prompt_lookup_num_tokens=3, dola_layers="high", penalty_alpha=0.6,
+                               force_words_ids=[[5]]).items():
             setattr(model.generation_config, key, value)
         out = dp_generate(model, tokenizer, ["Hi"] * 500, lam=0.0, max_new_tokens=1, seed=2)
     finally:
@@ -103,7 +105,8 @@ def test_processor_refuses_a_different_vocabulary_size():
 
 
 @pytest.mark.parametrize("setting", [dict(do_sample=False), dict(num_beams=4), dict(top_k=50), dict(top_p=0.9),
-                                     dict(min_p=0.1), dict(penalty_alpha=0.6)])
+                                     dict(min_p=0.1), dict(penalty_alpha=0.6), dict(stopping_criteria=[]),
+                                     dict(assistant_model=None), dict(renormalize_logits=True)])
 def test_greedy_beam_and_private_truncation_are_refused(gpt2, setting):
     model, tokenizer = gpt2
     with pytest.raises(UserError):

@@ -22,7 +22,7 @@ import torch
 from dptext.decoding.generation import dp_generate
 from dptext.decoding.processor import DPSamplingLogitsProcessor
 from dptext.decoding.public_support import output_vocab_size
-from dptext.decoding.sampling_rules import NO_LATER_WARPERS
+from dptext.decoding.sampling_rules import PLAIN_SAMPLING_SETTINGS
 
 PROMPT = "The restaurant near the river serves"
 
@@ -50,7 +50,7 @@ def benchmark_overhead(model, tokenizer, new_tokens: int = 64, repeats: int = 7,
     same_length = {"min_new_tokens": new_tokens, "pad_token_id": tokenizer.pad_token_id}
 
     def plain():
-        model.generate(**batch, max_new_tokens=new_tokens, **NO_LATER_WARPERS, **same_length)
+        model.generate(**batch, max_new_tokens=new_tokens, **PLAIN_SAMPLING_SETTINGS, **same_length)
 
     def private():
         dp_generate(model, tokenizer, prompts, lam, new_tokens, **same_length)

@@ -19,7 +19,7 @@ import torch
 from transformers import LogitsProcessor
 
 from dptext.decoding.mechanism import check_lambda, epsilon_for_lambda, perturbed_log_probs
-from dptext.decoding.sampling_rules import NO_LATER_WARPERS
+from dptext.decoding.sampling_rules import PLAIN_SAMPLING_SETTINGS
 from dptext.errors import UserError
 
 class PrivacyViolation(RuntimeError):
@@ -72,7 +72,7 @@ class DPSamplingLogitsProcessor(LogitsProcessor):
     @staticmethod
     def generate_kwargs() -> dict:
         """The ``generate`` settings under which nothing runs after this processor but sampling."""
-        return dict(NO_LATER_WARPERS)
+        return dict(PLAIN_SAMPLING_SETTINGS)
 
     def verify(self, sampled_from: tuple[torch.Tensor, ...]) -> None:
         """Check ``generate(..., output_scores=True).scores`` against what this processor emitted.

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dptext.errors import UserError
 
-# Everything generate() could apply after a custom processor, switched off. Passed explicitly
-# because unset values are filled from the model's generation_config and then global defaults.
-NO_LATER_WARPERS = {
+# Plain multinomial sampling with nothing after a custom processor: every warper generate()
+# appends after custom processors switched off, and every mode other than sampling (beam,
+# constrained, contrastive, assisted/prompt-lookup, DoLa) off. Passed explicitly because unset
+# values are filled from the model's generation_config (which may set any of them) and then
+# from global defaults (top_k=50).
+PLAIN_SAMPLING_SETTINGS = {
     "do_sample": True,
     "num_beams": 1,
     "temperature": 1.0,
@@ -24,14 +27,23 @@ NO_LATER_WARPERS = {
     "top_h": None,
     "watermarking_config": None,
     "renormalize_logits": False,
+    "num_beam_groups": None,
+    "constraints": None,
+    "force_words_ids": None,
+    "penalty_alpha": None,
+    "prompt_lookup_num_tokens": None,
+    "assistant_early_exit": None,
+    "use_mtp": False,
+    "dola_layers": None,
 }
 
 
 # generate() arguments that act before the DP processor (on q, which the guarantee allows)
 # or not on the distribution at all. Anything else could reorder or replace the sampling.
-SAFE_GENERATE_ARGS = {"attention_mask", "pad_token_id", "eos_token_id", "bos_token_id", "min_new_tokens",
-                      "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
-                      "logits_processor", "stopping_criteria", "use_cache"}
+# Custom stopping criteria are left out on purpose: they see the scores, so *when* the
+# output stops could reveal q' beyond the sampled tokens.
+SAFE_GENERATE_ARGS = {"pad_token_id", "eos_token_id", "bos_token_id", "min_new_tokens", "repetition_penalty",
+                      "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "logits_processor", "use_cache"}
 
 # Sampling warpers that would run after the DP processor, and the values that switch them off.
 NEUTRAL_WARPER_VALUES = {"top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0), "typical_p": (None, 1.0),
