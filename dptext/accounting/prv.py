@@ -91,12 +91,16 @@ class PrvCurve:
         delta_error = self.delta / 1000
         mechanisms = [PoissonSubsampledGaussianMechanism(sampling_probability=q, noise_multiplier=sigma)
                       for q, sigma, _ in self.levels]
-        with warnings.catch_warnings():  # it warns that eps_max is an assumption; ours is a proven bound
-            warnings.simplefilter("ignore")
-            self._accountant = PRVAccountant(
-                prvs=mechanisms, max_self_compositions=[n for _, _, n in self.levels],
-                eps_error=eps_error, delta_error=delta_error,
-                eps_max=safe_domain_size(self.levels, eps_error, delta_error))
+        try:
+            with warnings.catch_warnings():  # it warns that eps_max is an assumption; ours is a proven bound
+                warnings.simplefilter("ignore")
+                self._accountant = PRVAccountant(
+                    prvs=mechanisms, max_self_compositions=[n for _, _, n in self.levels],
+                    eps_error=eps_error, delta_error=delta_error,
+                    eps_max=safe_domain_size(self.levels, eps_error, delta_error))
+        except (ValueError, RuntimeError, OverflowError) as exc:
+            # e.g. small σ (≲ 0.75): the package's discretisation check fails ("Discrete mean differs ...")
+            raise PrvOutOfRange(f"the PRV accountant cannot discretise this mechanism ({exc})") from exc
 
     def epsilon(self, counts: Sequence[int] | None = None) -> PrvEpsilon:
         """ε bounds after ``counts[i]`` steps of each noise level (default: all of them)."""
