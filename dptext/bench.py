@@ -2,7 +2,8 @@
 
 For one model, sequence length T and batch size B, every mode runs in a fresh subprocess (so peak memory is
 its own): non-private training, our three clipping modes, and opacus' ghost clipping when opacus is installed.
-Each reports the median step time over repeated steps after warm-up and the peak memory (GPU:
+Each reports the median step time over repeated steps after warm-up (over several round-robin rounds with
+``rounds`` > 1) and the peak memory (GPU:
 ``torch.cuda.max_memory_allocated``; CPU: the subprocess's peak RSS, and that peak minus the RSS after
 loading the model, i.e. what the training step itself needs). On GPU each mode also finds its largest
 batch by doubling and then bisecting until CUDA runs out of memory. Ratios are to the non-private run.
@@ -97,7 +98,7 @@ def _opacus_step(model, batch_size: int):
         optimizer.step()
         optimizer.zero_grad()
 
-    return step, lambda: wrapped._close()
+    return step, wrapped.remove_hooks
 
 
 def _untie(model) -> None:
@@ -200,8 +201,11 @@ def measure(spec: dict) -> dict:
 # ---------------------------------------------------------------------------- the parent process
 
 def _run_in_subprocess(spec: dict) -> dict:
+    # A fixed mmap threshold makes glibc return freed tensors to the OS, so peak RSS measures the peak of live
+    # memory rather than heap fragmentation (glibc otherwise raises the threshold after the first large free).
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "131072"}
     proc = subprocess.run([sys.executable, "-m", "dptext.bench", json.dumps(spec)], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          text=True, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -220,9 +224,27 @@ def add_ratios(results: list[dict]) -> None:
             result["step_memory_ratio"] = result["step_mb"] / baseline["step_mb"]
 
 
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One mode's result over several rounds: all step times (median), the largest peak."""
+    failed = next((r for r in rounds if r["status"] != "ok"), None)
+    if failed is not None:
+        return failed
+    merged = dict(rounds[0], times_s=[t for r in rounds for t in r["times_s"]])
+    merged["step_s"] = statistics.median(merged["times_s"])
+    for key in ("peak_mb", "step_mb", "max_batch"):
+        values = [r[key] for r in rounds if key in r]
+        if values:
+            merged[key] = max(values)
+    return merged
+
+
 def run(model: str, seq_len: int, batch_size: int, device: str = "auto", steps: int = 5, warmup: int = 2,
-        modes: tuple[str, ...] = MODES, precision: str = "auto", max_batch: bool = True, progress=None) -> dict:
-    """Benchmark every mode; returns {"setup": ..., "results": [one dict per mode]}."""
+        modes: tuple[str, ...] = MODES, precision: str = "auto", max_batch: bool = True, rounds: int = 1,
+        progress=None) -> dict:
+    """Benchmark every mode; returns {"setup": ..., "results": [one dict per mode]}.
+
+    With ``rounds`` > 1 the modes run round-robin that many times and each reports the median over all its
+    timed steps: on a shared machine, load that comes and goes then hits every mode alike."""
     import torch
 
     if device == "auto":
@@ -230,13 +252,16 @@ def run(model: str, seq_len: int, batch_size: int, device: str = "auto", steps: 
     if precision == "auto":
         precision = "bf16" if device.startswith("cuda") else "fp32"
     setup = {"model": model, "seq_len": seq_len, "batch_size": batch_size, "device": device,
-             "precision": precision, "steps": steps, "warmup": warmup, "machine": machine_description(device)}
-    results = []
-    for mode in modes:
-        spec = dict(setup, mode=mode, max_batch=max_batch and device.startswith("cuda"))
-        results.append(_run_in_subprocess(spec))
-        if progress is not None:
-            progress(mode, results[-1])
+             "precision": precision, "steps": steps, "warmup": warmup, "rounds": rounds,
+             "machine": machine_description(device)}
+    per_mode: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for round_index in range(rounds):
+        for mode in modes:
+            search = max_batch and device.startswith("cuda") and round_index == 0
+            per_mode[mode].append(_run_in_subprocess(dict(setup, mode=mode, max_batch=search)))
+            if progress is not None:
+                progress(mode, per_mode[mode][-1])
+    results = [merge_rounds(per_mode[mode]) for mode in modes]
     add_ratios(results)
     return {"setup": setup, "results": results}
 

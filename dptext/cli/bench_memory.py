@@ -18,6 +18,8 @@ def bench_memory(
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
     steps: Annotated[int, typer.Option("--steps", help="Timed steps per mode (the median is reported).")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up steps per mode.")] = 2,
+    rounds: Annotated[int, typer.Option("--rounds", help="Run all modes round-robin this many times (on a "
+                                        "shared machine, spreads passing load over every mode).")] = 1,
     modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: nonprivate, per_sample, ghost, "
                                        "bookkeeping, opacus, opacus_untied.")] =
     "nonprivate,per_sample,ghost,bookkeeping,opacus,opacus_untied",
@@ -40,12 +42,12 @@ def bench_memory(
         raise UserError(f"Unknown mode(s) {', '.join(unknown)}; choose from {', '.join(bench.MODES)}.")
     if precision not in ("auto", "fp32", "bf16", "fp16"):
         raise UserError(f"Unknown precision '{precision}'; choose auto, fp32, bf16 or fp16.")
-    if seq_len < 2 or batch_size < 1 or steps < 1 or warmup < 0:
-        raise UserError("Use --seq-len ≥ 2, --batch-size ≥ 1, --steps ≥ 1 and --warmup ≥ 0.")
+    if seq_len < 2 or batch_size < 1 or steps < 1 or warmup < 0 or rounds < 1:
+        raise UserError("Use --seq-len ≥ 2, --batch-size ≥ 1, --steps ≥ 1, --warmup ≥ 0 and --rounds ≥ 1.")
     out_dir = out or Path("runs") / f"bench-memory-{Path(model).name}-T{seq_len}-B{batch_size}"
     output = make_output(json_mode)
-    with output.progress(len(chosen), "bench-memory") as progress:
-        report = bench.run(model, seq_len, batch_size, device, steps, warmup, chosen, precision, max_batch,
+    with output.progress(len(chosen) * rounds, "bench-memory") as progress:
+        report = bench.run(model, seq_len, batch_size, device, steps, warmup, chosen, precision, max_batch, rounds,
                            progress=lambda mode, result: progress.advance(mode=mode))
     setup = report["setup"]
     columns = ["mode", "status", "step s", "time ×", "peak MB", "memory ×"]
@@ -60,7 +62,7 @@ def bench_memory(
         row += [r.get("max_batch")] if on_gpu and max_batch else []
         rows.append(row)
     title = (f"{setup['model']}, T={setup['seq_len']}, batch {setup['batch_size']}, {setup['device']} "
-             f"({setup['precision']}): {setup['machine']}")
+             f"({setup['precision']}), median of {setup['steps'] * setup['rounds']} steps: {setup['machine']}")
     output.table(title, columns, rows)
     atomic_write_json(out_dir / "bench.json", report)
     if any("time_ratio" in r for r in report["results"]):

@@ -34,6 +34,12 @@ class Use:
     activation: Any
     output: Tensor | None = None  # kept only for ghost clipping's first backward pass
     grad_output: Tensor | None = None
+    released: bool = False
+
+    def release(self) -> None:
+        """Drop the tensors now: the hook closure on the output would otherwise keep them while the graph lives."""
+        self.activation = self.output = self.grad_output = None
+        self.released = True
 
     @property
     def batch_size(self) -> int:
@@ -118,7 +124,7 @@ class UseRecorder:
             use = Use(module, rule, names, rule.keep(module, detached), output if self.keep_outputs else None)
 
         def keep_grad(grad: Tensor) -> None:
-            if use.grad_output is None:
+            if use.grad_output is None and not use.released:
                 use.grad_output = grad
 
         output.register_hook(keep_grad)

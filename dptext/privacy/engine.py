@@ -85,7 +85,8 @@ class PrivacyEngine:
 
     Give the sampling as ``sample_rate`` q and ``dataset_size`` n (B = qn), or ``expected_batch_size`` B with
     either of them. ``seed`` makes noise and sampling reproducible; ``secure_rng=True`` seeds them from the OS.
-    ``ledger`` is called as ``ledger(sample_rate=q, noise_multiplier=σ)`` after every noisy step.
+    ``ledger``, a ``dptext.accounting.PrivacyLedger`` (its ``record_step``) or any callable, is called as
+    ``record_step(sample_rate=q, noise_multiplier=σ)`` after every noisy step.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
@@ -113,7 +114,7 @@ class PrivacyEngine:
         if secure_rng and seed is not None:
             raise UserError("secure_rng draws noise and sampling seeds from the operating system; drop the seed.")
         self.seed = None if secure_rng else (0 if seed is None else seed)
-        self.ledger = ledger
+        self._record_step = getattr(ledger, "record_step", ledger)
         self.steps = 0
 
         tracked = find_tracked_modules(model, clipping_mode)
@@ -174,8 +175,8 @@ class PrivacyEngine:
             self.accumulate(per_example_loss)
         self.dp_optimizer.step()
         self.steps += 1
-        if self.ledger is not None:
-            self.ledger(sample_rate=self.sample_rate, noise_multiplier=self.noise_multiplier)
+        if self._record_step is not None:
+            self._record_step(sample_rate=self.sample_rate, noise_multiplier=self.noise_multiplier)
 
     def zero_grad(self) -> None:
         """Drop what was accumulated for the current logical batch."""
@@ -204,8 +205,12 @@ class PrivacyEngine:
     def _ghost_backward(self, per_example_loss: Tensor) -> Tensor:
         # Pass 1 differentiates only down to the recorded layer outputs: no weight gradients are formed.
         torch.autograd.grad(per_example_loss.sum(), self.recorder.outputs(), retain_graph=True, allow_unused=True)
-        with torch.no_grad():
-            coef, norms = self._coefficients(clipping.norm_sq_per_parameter(self._uses_for(per_example_loss)))
+        uses = self._uses_for(per_example_loss)
+        with torch.no_grad(), self.recorder.paused():
+            coef, norms = self._coefficients(clipping.norm_sq_per_parameter(uses))
+        for use in uses:  # pass 2 needs none of them; the retained graph would keep them alive
+            use.release()
+        del uses
         for param in self.params:
             param.grad = None
         (per_example_loss * next(iter(coef.values())).detach()).sum().backward()

@@ -1,0 +1,46 @@
+"""`dptext bench-memory` end to end on tiny-gpt2 (few steps), and the ratio arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dptext.bench import add_ratios
+
+
+def test_ratios_are_relative_to_the_non_private_run():
+    results = [{"mode": "nonprivate", "status": "ok", "step_s": 2.0, "peak_mb": 100.0, "step_mb": 10.0},
+               {"mode": "bookkeeping", "status": "ok", "step_s": 3.0, "peak_mb": 110.0, "step_mb": 20.0},
+               {"mode": "opacus", "status": "unsupported: tied weights"}]
+    add_ratios(results)
+    assert results[1]["time_ratio"] == 1.5 and results[1]["memory_ratio"] == pytest.approx(1.1)
+    assert results[1]["step_memory_ratio"] == 2.0 and "time_ratio" not in results[2]
+
+
+@pytest.mark.integration
+def test_bench_memory_cli_on_tiny_gpt2(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dptext", "bench-memory", "tiny-gpt2", "--seq-len", "8", "--batch-size", "2",
+         "--steps", "1", "--warmup", "0", "--device", "cpu", "--modes", "nonprivate,bookkeeping,opacus",
+         "--out", str(tmp_path), "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    rows = {r["mode"]: r for r in report["results"]}
+    assert rows["nonprivate"]["time_ratio"] == 1.0
+    assert rows["bookkeeping"]["status"] == "ok" and rows["bookkeeping"]["peak_mb"] > 0
+    assert rows["bookkeeping"]["time_ratio"] > 0 and rows["bookkeeping"]["memory_ratio"] > 0
+    if "opacus" in rows and not rows["opacus"]["status"].startswith("failed"):
+        assert rows["opacus"]["status"].startswith(("ok", "unsupported"))
+    assert report["setup"]["seq_len"] == 8 and "CPU cores" in report["setup"]["machine"]
+    assert json.loads((tmp_path / "bench.json").read_text())["setup"] == report["setup"]
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_mode_is_one_sentence_error():
+    proc = subprocess.run([sys.executable, "-m", "dptext", "bench-memory", "tiny-gpt2", "--modes", "fast"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Unknown mode(s) fast" in proc.stderr
