@@ -285,4 +285,7 @@ def test_bf16_autocast_keeps_norms_close(mode):
         got = engine.accumulate(losses(model, batch))
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, norms, rtol=3e-2, atol=1e-3)
+    x = torch.randn(3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16), engine._exact_arithmetic():
+        assert torch.mm(x, x).dtype == torch.float32  # the norms' matmuls are not lowered to bf16
     assert all(s.dtype == torch.float32 for s in engine.clipped_grads().values())

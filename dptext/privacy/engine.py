@@ -22,6 +22,7 @@ Clipping modes (same clipped sums, different cost):
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable
 
 import torch
@@ -131,9 +132,19 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ the training step
 
-    @torch.no_grad()
+    @contextmanager
+    def _exact_arithmetic(self):
+        """Norms and clipped sums in the engine's own precision: no graph, no recording, and no autocast even when
+        ``step`` is called inside an autocast region (it would run the norms' matmuls in bf16)."""
+        with ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(self.recorder.paused())
+            for device_type in sorted({p.device.type for p in self.params}):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            yield
+
     def _clip_and_sum(self, uses) -> Tensor:
-        with self.recorder.paused():
+        with self._exact_arithmetic():
             return self._clip_and_sum_uses(uses)
 
     def _clip_and_sum_uses(self, uses) -> Tensor:
@@ -206,7 +217,7 @@ class PrivacyEngine:
         # Pass 1 differentiates only down to the recorded layer outputs: no weight gradients are formed.
         torch.autograd.grad(per_example_loss.sum(), self.recorder.outputs(), retain_graph=True, allow_unused=True)
         uses = self._uses_for(per_example_loss)
-        with torch.no_grad(), self.recorder.paused():
+        with self._exact_arithmetic():
             coef, norms = self._coefficients(clipping.norm_sq_per_parameter(uses))
         for use in uses:  # pass 2 needs none of them; the retained graph would keep them alive
             use.release()
