@@ -5,7 +5,10 @@ BIN         := $(VENV)/bin
 SHARED_DATA ?= ../shared/data
 STAMP       := $(VENV)/.dptext-installed
 
-.PHONY: setup test test-slow quickstart clean
+E2E_DATA    ?= $(SHARED_DATA)/e2e_nlg
+RUNS        ?= runs
+
+.PHONY: setup test test-slow quickstart e2e-repro clean
 
 # Idempotent: the stamp is rebuilt only when pyproject.toml changes.
 # torch==2.13.0 goes first: it is the CPU wheel on disk; an unpinned torch would pull GBs of CUDA packages.
@@ -32,7 +35,15 @@ test-slow: setup
 	$(BIN)/pytest -m slow
 
 quickstart: setup
-	$(BIN)/dptext quickstart
+	$(BIN)/dptext finetune recipes/quickstart.yaml
+
+# Li et al.'s E2E experiment with SmolLM2-135M (offline): ε=3, ε=8 and non-private, paper hyperparameters
+# (DP-Adam, C=0.1, batch 1024, 10 epochs), BLEU/ROUGE-L on the E2E test set. Needs a GPU to finish in minutes.
+e2e-repro: setup
+	$(BIN)/dptext finetune recipes/e2e-smollm.yaml data.path=$(E2E_DATA) name=e2e-smollm-eps8 --out $(RUNS)/e2e-smollm-eps8
+	$(BIN)/dptext finetune recipes/e2e-smollm.yaml data.path=$(E2E_DATA) name=e2e-smollm-eps3 privacy.target_epsilon=3 --out $(RUNS)/e2e-smollm-eps3
+	$(BIN)/dptext finetune recipes/e2e-smollm.yaml data.path=$(E2E_DATA) name=e2e-smollm-nonprivate privacy.enabled=false --out $(RUNS)/e2e-smollm-nonprivate
+	$(BIN)/python benchmarks/collect_runs.py $(RUNS)/e2e-smollm-eps3 $(RUNS)/e2e-smollm-eps8 $(RUNS)/e2e-smollm-nonprivate
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -50,8 +50,8 @@ def apply_adaptation(model: Any, recipe: Any) -> Any:
                 or (_layer_index(n) is None and not _is_embedding(n)) or _is_head(n)}
     else:  # pragma: no cover - the schema's Literal rejects anything else
         raise UserError(f"Unknown adaptation '{method}'.")
-    for name, param in model.named_parameters():
-        param.requires_grad_(name in keep)
+    for name, param in model.named_parameters():  # only ever freezes: a part the model froze stays frozen
+        param.requires_grad_(param.requires_grad and name in keep)
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError(f"adaptation={method} left nothing to train in this model; choose another method.")
     return model

@@ -75,6 +75,9 @@ class TaskConfig:
         "table_to_text", "Training objective and evaluation.")
     loss_reduction: Literal["sum", "mean"] = doc(
         "mean", "How each example's token losses are reduced: summed, or averaged over that example's own tokens.")
+    pooling: Literal["model", "mean"] = doc(
+        "model", "Input of a classification head: the model's own (BERT: pooled [CLS]) or the masked mean of the "
+        "last hidden states (what sentence-transformers models such as minilm-l6 are trained for).")
     template: Optional[str] = doc(None, "Infilling template override, e.g. '<S1> It was [MASK] .' (default: SPEC §8).")
     label_words: list = doc([], "Infilling label words in label order (default: SPEC §8 for the task).")
     control_codes: list = doc([], "Record fields prepended as control codes, e.g. [category, rating].")

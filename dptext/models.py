@@ -252,9 +252,9 @@ def load_model(name: str, head: str = "causal_lm", num_labels: int | None = None
         raise UserError(f"Model '{name}' has no {head.replace('_', ' ')} architecture ({exc}); "
                         "pick a model made for this task.") from exc
     if head == "masked_lm" and _missing_mlm_head(info.get("missing_keys", [])):
-        raise UserError(f"Model '{name}' has no pretrained masked-LM head, so text infilling would start from a "
-                        "random head; use a classification head (task.type=classification) or an MLM model "
-                        "such as roberta-base or tiny-roberta.")
+        raise UserError(f"Model '{name}' has no pretrained masked-LM head (its predictions would come from a "
+                        "random layer); use a model with one, such as roberta-base or bert-base-uncased "
+                        "(for fine-tuning, task.type=classification works with any encoder).")
     return model.eval(), tokenizer
 
 

@@ -46,6 +46,12 @@ TRACKED_PACKAGES = (
 )
 
 
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
 def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = False) -> None:
     """Write ``path`` via ``write(fileobj)`` on a temp file, then rename it into place."""
     path = Path(path)
@@ -56,6 +62,7 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = 
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; results should read like any other file
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -72,6 +79,7 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    os.chmod(staging, 0o777 & ~_umask())
     try:
         yield staging
         if target.exists():

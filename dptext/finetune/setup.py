@@ -125,7 +125,7 @@ def build_training(recipe: Any) -> Training:
 
     from dptext.accounting import PrivacyLedger, plan_for_recipe
     from dptext.adaptation import apply_adaptation, trainable_summary
-    from dptext.models import load_model, load_tokenizer
+    from dptext.models import load_tokenizer
     from dptext.privacy import PrivacyEngine
     from dptext.privacy.sampler import PoissonSampler
     from dptext.tasks import build_task
@@ -133,9 +133,9 @@ def build_training(recipe: Any) -> Training:
     seed_everything(recipe.train.seed)
     device = pick_device(recipe.train.device)
     train, validation, final = load_splits(recipe)
-    task = build_task(recipe, load_tokenizer(recipe.model.name), train)
-    model, tokenizer = load_model(recipe.model.name, head=task.head, num_labels=task.num_labels,
-                                  random_init=recipe.model.adaptation == "retrain", seed=recipe.train.seed)
+    tokenizer = load_tokenizer(recipe.model.name)
+    task = build_task(recipe, tokenizer, train)
+    model = task.load_model()
     if recipe.model.untie_embeddings:
         untie_output_embedding(model)
     model = apply_adaptation(model, recipe).to(device)

@@ -30,6 +30,15 @@ class Task:
         """Output classes for classification heads; None for language-model heads."""
         return None
 
+    def load_model(self):
+        """The model this task trains, as ``recipe.model`` describes it."""
+        from dptext.models import load_model
+
+        recipe = self.recipe
+        model, _ = load_model(recipe.model.name, head=self.head, num_labels=self.num_labels,
+                              random_init=recipe.model.adaptation == "retrain", seed=recipe.train.seed)
+        return model
+
     def encode(self, records: Sequence[dict[str, Any]]) -> list[Example]:
         raise NotImplementedError  # pragma: no cover - each task defines it
 

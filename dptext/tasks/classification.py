@@ -42,6 +42,17 @@ class ClassificationTask(Task):
     def num_labels(self) -> int:
         return self._num_labels
 
+    def load_model(self):
+        if self.recipe.task.pooling != "mean":
+            return super().load_model()
+        from dptext.models import load_model
+        from dptext.tasks.pooling import MeanPoolingClassifier
+
+        recipe = self.recipe
+        encoder, _ = load_model(recipe.model.name, head="base", random_init=recipe.model.adaptation == "retrain",
+                                seed=recipe.train.seed)
+        return MeanPoolingClassifier(encoder, self.num_labels)
+
     def encode(self, records: Sequence[dict[str, Any]]) -> list[Example]:
         examples = []
         for record in records:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from dptext.errors import UserError
+from dptext.tasks.base import Task
 from dptext.tasks.classification import ClassificationTask
 from dptext.tasks.encoding import Example
 
@@ -59,6 +60,9 @@ class InfillingTask(ClassificationTask):
 
     def __init__(self, recipe: Any, tokenizer: Any, train_records: Sequence[dict[str, Any]]):
         super().__init__(recipe, tokenizer, train_records)
+        if recipe.task.pooling != "model":
+            raise UserError("task.pooling applies to classification heads; infilling predicts at the [MASK] "
+                            "token, so leave task.pooling at its default.")
         if tokenizer.mask_token is None:
             raise UserError("Text infilling needs a tokenizer with a mask token; use an MLM model "
                             "(roberta-base, tiny-roberta) or task.type=classification.")
@@ -67,6 +71,9 @@ class InfillingTask(ClassificationTask):
             raise UserError(f"The template has {len(self.words)} label words but the data has {self.num_labels} "
                             "classes; give one task.label_words entry per class.")
         self.word_ids = label_word_ids(tokenizer, self.words)
+
+    def load_model(self):
+        return Task.load_model(self)  # the pretrained MLM head is the classifier: no pooling head
 
     def _fill(self, first: str, second: str) -> str:
         text = self.template.replace("[MASK]", self.tokenizer.mask_token)
