@@ -80,7 +80,8 @@ def test_schedule_spends_more_than_constant_noise(capsys):
 def test_eps_alone_lists_every_shipped_recipe(capsys, monkeypatch):
     import dptext.data
 
-    monkeypatch.setattr(dptext.data, "train_size", lambda data_cfg: {"e2e": 42061, "sst2": 67349}[data_cfg.dataset])
+    sizes = {"e2e": 42061, "sst2": 67349, "dart": 62659, "qnli": 104743, "mnli": 392702, "qqp": 363846}
+    monkeypatch.setattr(dptext.data, "train_size", lambda data_cfg: sizes.get(data_cfg.dataset, 10_000))
     doc = account_json(capsys, "--eps", "3")
     shipped = sorted(p.stem for p in (Path(__file__).parents[1] / "recipes").glob("*.yaml"))
     assert doc["query"] == "recipes" and sorted(r["recipe"] for r in doc["results"]) == shipped

@@ -40,7 +40,7 @@ def render_result(output, result: dict) -> None:
         for method, eps in privacy["epsilon"].items():
             label = {"rdp": "ε (RDP bound)", "prv": "ε (PRV estimate [lower, upper])",
                      "gdp": "ε (GDP, CLT approximation)"}[method]
-            value = eps["epsilon"]
+            value = eps["epsilon"] if eps["epsilon"] is not None else "not computed (see ledger.json)"
             if method == "prv" and eps.get("lower") is not None:
                 value = f"{eps['epsilon']:.4g} [{eps['lower']:.4g}, {eps['upper']:.4g}]"
             rows.append([label, value, None])
@@ -52,6 +52,16 @@ def render_result(output, result: dict) -> None:
              ["time (s)", result["seconds"], None]]
     output.table(f"{result['recipe']}: {result['model']} / {result['task']}", ["", "after training",
                                                                               "before training"], rows)
+    headline = result["primary_metric"]
+    if headline in result["metrics"]:
+        before = result["metrics_before_training"].get(headline)
+        change = f"{before:.4g} before training -> " if before is not None else ""
+        guarantee = "without privacy"
+        if privacy["private"]:
+            method = privacy["accountant"] if privacy["epsilon"][privacy["accountant"]]["epsilon"] else "rdp"
+            guarantee = (f"at ε = {privacy['epsilon'][method]['epsilon']:.3g} ({method.upper()}), "
+                         f"δ = {privacy['delta']:.2g}")
+        output.info(f"Look at: {headline} {change}{result['metrics'][headline]:.4g} after training, {guarantee}.")
     output.info(f"Run directory: {result['run_dir']} (model in {result['model_dir']}, curves in metrics.jsonl)")
 
 
