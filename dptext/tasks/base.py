@@ -7,13 +7,14 @@ held-out records. The loop knows nothing else about the task.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
 from dptext.tasks.encoding import Example, pad_batch
 
 
-class Task:
-    """Base class: subclasses set ``head`` and ``primary_metric`` and implement the four hooks."""
+class Task(ABC):
+    """Base class: subclasses set ``head`` and ``primary_metric`` and implement the abstract hooks."""
 
     head = "causal_lm"  # the model head dptext.models.load_model must build
     primary_metric = "perplexity"
@@ -39,20 +40,21 @@ class Task:
                               random_init=recipe.model.adaptation == "retrain", seed=recipe.train.seed)
         return model
 
+    @abstractmethod
     def encode(self, records: Sequence[dict[str, Any]]) -> list[Example]:
-        raise NotImplementedError  # pragma: no cover - each task defines it
+        """Tokenised training examples, loss masks included."""
 
     def collate(self, examples: Sequence[Example]) -> dict[str, Any]:
         return pad_batch(examples, self.tokenizer.pad_token_id)
 
+    @abstractmethod
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
         """A (B,) tensor: each example's loss over its own tokens only."""
-        raise NotImplementedError  # pragma: no cover
 
+    @abstractmethod
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
                  on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
         """The task's metrics on ``records`` (a held-out split)."""
-        raise NotImplementedError  # pragma: no cover
 
     def evaluation_size(self, records: Sequence[dict[str, Any]]) -> int:
         """Units of work ``evaluate`` reports through ``on_progress`` (for a progress bar)."""
