@@ -27,3 +27,19 @@ def shared_data() -> Path:
 def _isolated_cwd_for_runs(monkeypatch, tmp_path_factory):
     """Keep tests from writing runs/ into the checkout."""
     monkeypatch.setenv("DPTEXT_RUNS_ROOT", str(tmp_path_factory.mktemp("runs")))
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """(model, tokenizer) of the tiny random GPT-2 (tied embeddings, byte-level vocabulary of 261)."""
+    from dptext.models import load_model
+
+    return load_model("tiny-gpt2")
+
+
+@pytest.fixture(scope="module")
+def roberta():
+    """(model, tokenizer) of the tiny random RoBERTa with its (tied) masked-LM head."""
+    from dptext.models import load_model
+
+    return load_model("tiny-roberta", head="masked_lm")

@@ -22,16 +22,6 @@ from dptext.models import load_model
 V = 261  # the tiny models' byte-level vocabulary = their output dimension
 
 
-@pytest.fixture(scope="module")
-def gpt2():
-    return load_model("tiny-gpt2")
-
-
-@pytest.fixture(scope="module")
-def roberta():
-    return load_model("tiny-roberta", head="masked_lm")
-
-
 def q_prime_of_next_token(model, tokenizer, prompt, lam, temperature=1.0):
     """Brute force: the model's next-token softmax mixed with uniform, in float64."""
     with torch.no_grad():

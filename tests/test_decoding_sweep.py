@@ -11,20 +11,9 @@ import torch
 from dptext.decoding import epsilon_for_lambda, parse_lambdas, perplexity_sweep, plot_sweep, read_texts
 from dptext.decoding.sweep import MASK_FRACTION
 from dptext.errors import UserError
-from dptext.models import load_model
 
 TEXTS = ["The cat sat on the mat.", "Blue Spice is a coffee shop.", "Hi", "A longer sentence, with commas."]
 V = 261
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    return load_model("tiny-gpt2")
-
-
-@pytest.fixture(scope="module")
-def roberta():
-    return load_model("tiny-roberta", head="masked_lm")
 
 
 def brute_force_causal_perplexity(model, tokenizer, texts, lam):
