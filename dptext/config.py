@@ -309,7 +309,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not path.is_file():
             raise UserError(f"Recipe file '{path}' does not exist; check the path (shipped recipes are in recipes/).")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
@@ -324,4 +324,4 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
 def dump_recipe(recipe: Recipe) -> str:
     import yaml
 
-    return yaml.safe_dump(to_dict(recipe), sort_keys=False)
+    return yaml.safe_dump(to_dict(recipe), sort_keys=False, allow_unicode=True)

@@ -58,7 +58,7 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb" if binary else "w") as handle:
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
