@@ -71,6 +71,8 @@ class InfillingTask(ClassificationTask):
             raise UserError(f"The template has {len(self.words)} label words but the data has {self.num_labels} "
                             "classes; give one task.label_words entry per class.")
         self.word_ids = label_word_ids(tokenizer, self.words)
+        # Tokens the template itself takes (specials, literal words, the mask): the same for every record.
+        self.template_length = len(tokenizer(self._fill("", ""))["input_ids"])
 
     def load_model(self):
         return Task.load_model(self)  # the pretrained MLM head is the classifier: no pooling head
@@ -81,7 +83,7 @@ class InfillingTask(ClassificationTask):
 
     def _truncate(self, first: str, second: str) -> tuple[str, str]:
         """Shorten the longer sentence until the filled template fits ``max_length`` (the mask must survive)."""
-        budget = max(self.max_length - len(self.tokenizer(self._fill("", ""))["input_ids"]), 0)
+        budget = max(self.max_length - self.template_length, 0)
         tokens = [self.tokenizer(s, add_special_tokens=False)["input_ids"] for s in (first, second)]
         if len(tokens[0]) + len(tokens[1]) <= budget:
             return first, second
