@@ -76,11 +76,14 @@ class TaskConfig:
     loss_reduction: Literal["sum", "mean"] = doc(
         "mean", "How each example's token losses are reduced: summed, or averaged over that example's own tokens.")
     pooling: Literal["model", "mean"] = doc(
-        "model", "Input of a classification head: the model's own (BERT: pooled [CLS]) or the masked mean of the "
-        "last hidden states (what sentence-transformers models such as minilm-l6 are trained for).")
+        "model", "Input of a classification (or intent_slot intent) head: the model's own (BERT: pooled [CLS]) "
+        "or the masked mean of the last hidden states (what sentence-transformers models such as minilm-l6 are "
+        "trained for).")
     template: Optional[str] = doc(None, "Infilling template override, e.g. '<S1> It was [MASK] .' (default: SPEC §8).")
     label_words: list = doc([], "Infilling label words in label order (default: SPEC §8 for the task).")
     control_codes: list = doc([], "Record fields prepended as control codes, e.g. [category, rating].")
+    crf: bool = doc(False, "intent_slot: a linear-chain CRF slot layer over the words (its transitions are clipped "
+                    "and noised like every other parameter) instead of per-token softmax.")
 
 
 @dataclass
@@ -98,7 +101,26 @@ class PrivacyConfig:
         "two (ghost), or instantiated per-example gradients (per_sample, the reference).")
     clipping_layout: Literal["all_layer", "per_layer"] = doc(
         "all_layer", "One norm over the whole model, or a threshold per layer (group-wise clipping).")
-    method: Literal["dp_sgd", "edp_sgd"] = doc("dp_sgd", "DP-SGD with per-example clipping, or eDP-SGD (Dupuy et al.).")
+    method: Literal["dp_sgd", "edp_sgd"] = doc(
+        "dp_sgd", "DP-SGD with per-example clipping, or eDP-SGD (Dupuy et al., SPEC §4): each process's micro-batch "
+        "gradient is clipped as one unit (sensitivity 2C, accounted as noise multiplier z/2); see docs/edp.md. "
+        "For edp_sgd, noise_multiplier is z_0 (noise std / C), and target_epsilon calibrates z_0 for the whole "
+        "decaying schedule.")
+    edp_micro_batches_per_device: int = doc(
+        1, "edp_sgd: clipping units (micro-batch slots) per process; example i belongs to slot i mod (processes·K), "
+        "fixed by index. More slots = more signal per step, one backward pass each.")
+    edp_scaling: Literal["uniform", "public", "first_step"] = doc(
+        "uniform", "edp_sgd: per-parameter-tensor scaling α (clip and noise in the α-scaled space): uniform α=1, "
+        "measured on public examples (edp_public_path; no privacy cost), or on the first private training "
+        "examples as in the paper (first_step: data-dependent, NOT covered by ε; labelled as leaking).")
+    edp_public_path: Optional[str] = doc(
+        None, "edp_scaling=public: file or folder of PUBLIC examples in the training data's format (read with "
+        "data.dataset's reader, its train split); they must not be private data.")
+    edp_public_examples: int = doc(64, "edp_sgd: examples whose mean gradient at the initial weights measures α "
+                                   "(public or first_step scaling).")
+    noise_decay: Literal["none", "linear", "exponential"] = doc(
+        "none", "edp_sgd: noise decay by epoch t = step // round(1/q): z_t = z_0, z_0/(1+τt) or z_0·e^(−τt).")
+    noise_decay_rate: float = doc(0.0, "edp_sgd: the decay rate τ of noise_decay.")
     secure_rng: bool = doc(False, "Draw noise from a cryptographically secure source (production runs).")
 
 
@@ -132,6 +154,57 @@ class EvalConfig:
 
 
 @dataclass
+class AuditConfig:
+    """Bookkeeping for `dptext mia` (SPEC §7). Everything here is drawn before training, seeded, and written to
+    the run's ``audit/`` folder; held-out records shrink the training set n, and q, δ = 1/(2n) follow the n
+    actually trained on."""
+
+    holdout_fraction: float = doc(0.0, "Fraction of the training split held out, untrained, as the non-member set "
+                                  "of membership inference (same distribution as the members).")
+    holdout_examples: Optional[int] = doc(None, "Hold out exactly this many non-members (overrides holdout_fraction).")
+    public_examples: int = doc(0, "Also set aside this many training records, trained on by neither the run nor "
+                               "its non-members: the 'public' pool shadow and reference models train on.")
+    seed: int = doc(0, "Seed of the member / non-member / public partition and of the canaries.")
+    train_indices: list = doc([], "Train only on these indices of the training split (written by `dptext mia` "
+                              "for its shadow/reference models; empty = all).")
+    canaries: int = doc(0, "Canaries per repetition count inserted into the training data (language-model tasks).")
+    canary_repetitions: list = doc([1, 10], "How many times each canary is repeated, one group of `canaries` "
+                                   "canaries per entry.")
+    canary_prefix: str = doc("the secret code is", "Fixed prefix of every canary; the secret follows it.")
+    canary_words: int = doc(4, "Random words in each canary's secret.")
+    canary_vocabulary: int = doc(100, "Size of the word list secrets are drawn from: |R| = vocabulary ** words.")
+
+
+@dataclass
+class DistillConfig:
+    """`dptext distill` (DistilDP, SPEC §6): a student learns from a DP teacher's synthetic data and soft labels.
+
+    The recipe's ``data`` section names the private data (the baselines train on it; every method reports the
+    student's perplexity on its ``eval.split``), ``train`` the student's optimisation, and ``privacy`` the
+    budget of the DP baselines (dp_sgd: all of it; dpkd: what the teacher left, by basic composition)."""
+
+    method: Literal["distildp", "synthetic_only", "dp_sgd", "dpkd", "zero_shot"] = doc(
+        "distildp", "distildp: non-private KD on the teacher's synthetic data (ε inherited); synthetic_only: the "
+        "same with kd_lambda=0; dp_sgd: DP-SGD on the student alone on the private data; dpkd: DP-SGD on the KD "
+        "objective on the private data with a teacher trained on part of the budget; zero_shot: no training.")
+    teacher: Optional[str] = doc(None, "Finished `dptext finetune` run directory of the DP teacher (for dpkd: the "
+                                 "teacher trained with its share of the budget).")
+    synthetic: Optional[str] = doc(None, "Folder written by `dptext synth` from this teacher (distildp, "
+                                   "synthetic_only).")
+    max_synthetic_examples: Optional[int] = doc(None, "Train on only the first N synthetic training records.")
+    student: Optional[str] = doc(None, "Student model: hub name (distilgpt2), local folder or offline alias; empty "
+                                 "means the teacher's base model (recipe model.name of the teacher run).")
+    student_layers: list = doc([], "Keep only these decoder layers of the student model (0-based), e.g. [2, 5, 8]; "
+                               "embeddings, final norm and head are kept (tied weights stay tied).")
+    student_layer_stride: Optional[int] = doc(None, "Keep every N-th decoder layer counted from the top (the last "
+                                              "layer is kept); e.g. 3 turns SmolLM2-135M's 30 layers into 10.")
+    kd_lambda: float = doc(0.4, "λ: weight of the distillation term, L = (1−λ)·CE + λ·t²·KL(teacher‖student).")
+    temperature: float = doc(1.0, "t: softmax temperature of the distillation term.")
+    hidden_alpha: float = doc(0.0, "α: weight of the MSE between last hidden states (teacher and student hidden "
+                              "sizes must match).")
+
+
+@dataclass
 class Recipe:
     name: str = doc("recipe", "Run name; the run directory is runs/<name>-<timestamp>/.")
     description: str = doc("", "One line saying what this recipe reproduces or does.")
@@ -141,6 +214,8 @@ class Recipe:
     privacy: PrivacyConfig = section(PrivacyConfig, "Differential privacy settings.")
     train: TrainConfig = section(TrainConfig, "Optimisation.")
     eval: EvalConfig = section(EvalConfig, "Evaluation.")
+    distill: DistillConfig = section(DistillConfig, "`dptext distill`: teacher, synthetic data, student, λ, t, α.")
+    audit: AuditConfig = section(AuditConfig, "Privacy-auditing bookkeeping: non-members, public pool, canaries.")
 
 
 # --------------------------------------------------------------------------- typing helpers

@@ -39,12 +39,15 @@ class PrivacyLedger:
     """An append-only account of DP-SGD steps with ε per method."""
 
     def __init__(self, delta: float | None = None, dataset_size: int | None = None, accountant: str = "rdp",
-                 runs: Sequence[StepRun] = (), delta_source: str | None = None):
-        """``delta_source`` overrides the stated origin of δ, e.g. ``PrivacyPlan.delta_source``."""
+                 runs: Sequence[StepRun] = (), delta_source: str | None = None,
+                 mechanism: dict[str, Any] | None = None):
+        """``delta_source`` overrides the stated origin of δ, e.g. ``PrivacyPlan.delta_source``; ``mechanism``
+        (plain data, saved as is) says what was accounted, e.g. eDP-SGD's unit, sensitivity and schedule."""
         self.delta, self.delta_source = resolve_delta(delta, dataset_size)
         self.delta_source = delta_source or self.delta_source
         self.dataset_size = dataset_size
         self.accountant = check_methods([accountant])[0]
+        self.mechanism = mechanism
         self._runs: list[StepRun] = []
         for run in runs:
             self.record_steps(run.sample_rate, run.noise_multiplier, run.steps)
@@ -105,6 +108,8 @@ class PrivacyLedger:
             "runs": [{"sample_rate": r.sample_rate, "noise_multiplier": r.noise_multiplier, "steps": r.steps}
                      for r in self._runs],
         }
+        if self.mechanism is not None:
+            data["mechanism"] = self.mechanism
         if with_epsilon:
             data["epsilon"] = {r.method: r.to_dict() for r in self.report()}
         return data
@@ -119,7 +124,7 @@ class PrivacyLedger:
             runs = [StepRun(float(r["sample_rate"]), float(r["noise_multiplier"]), int(r["steps"]))
                     for r in data["runs"]]
             ledger = cls(delta=float(data["delta"]), accountant=data.get("accountant", "rdp"), runs=runs,
-                         delta_source=data.get("delta_source"))
+                         delta_source=data.get("delta_source"), mechanism=data.get("mechanism"))
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"The privacy ledger is damaged ({exc}); restore ledger.json from a checkpoint.") from None
         ledger.dataset_size = data.get("dataset_size")

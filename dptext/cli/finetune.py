@@ -28,6 +28,8 @@ def finetune(
         raise UserError("--resume continues a run with its own resolved.yaml; drop the recipe and overrides.")
     loaded = load_recipe(recipe, overrides or []) if recipe is not None else None
     result = run_finetune(loaded, out=out, resume=resume, output=output)
+    if result.get("follower"):  # torchrun rank > 0: rank 0 reports the run
+        return
     render_result(output, result)
     output.result(result)
 
@@ -44,6 +46,13 @@ def render_result(output, result: dict) -> None:
             if method == "prv" and eps.get("lower") is not None:
                 value = f"{eps['epsilon']:.4g} [{eps['lower']:.4g}, {eps['upper']:.4g}]"
             rows.append([label, value, None])
+        mechanism = privacy.get("mechanism", {})
+        if mechanism.get("method") == "edp_sgd":
+            leaks = " (LEAKS: measured on private data)" if mechanism["scaling_leaks"] else ""
+            rows += [["guarantee (eDP-SGD)", mechanism["guarantee"], None],
+                     ["z₀ (noise std / C, scaled space)", mechanism["z0"], None],
+                     ["noise decay", mechanism["noise_schedule"], None],
+                     ["scaling α", mechanism["scaling"] + leaks, None]]
         rows += [["δ", privacy["delta"], None], ["σ (noise multiplier)", privacy["noise_multiplier"], None],
                  ["C (clipping norm)", privacy["max_grad_norm"], None]]
     else:

@@ -32,21 +32,37 @@ def _autocast(training: Any):
 def train_step(training: Any, indices: list[int]) -> float | None:
     """One logical step on the examples ``indices``; returns their mean loss (None for an empty batch)."""
     total, count = 0.0, 0
-    for chunk in micro_batches(indices, training.physical_batch_size):
-        batch = {k: v.to(training.device) for k, v in training.task.collate([training.examples[i] for i in chunk]).items()}
-        with _autocast(training):
-            losses = training.task.per_example_loss(training.model, batch)
-        if training.private:
-            training.engine.accumulate(losses)
-        else:  # non-private baseline: the mean over the realised batch, as ordinary training does
-            (losses.float().sum() / len(indices)).backward()
-        total += losses.detach().float().sum().item()
-        count += len(chunk)
+    distributed = training.dist is not None and training.dist.active
+    # eDP-SGD clips whole micro-batches: its units are the sampled examples of each fixed slot (dptext.privacy.edp)
+    units = getattr(training.engine, "clipping_units", None)
+    for unit in units(indices) if units else [indices]:
+        for chunk in micro_batches(unit, training.physical_batch_size):
+            batch = {k: v.to(training.device)
+                     for k, v in training.task.collate([training.examples[i] for i in chunk]).items()}
+            with _autocast(training):
+                losses = training.task.per_example_loss(training.model, batch)
+            if training.private:
+                training.engine.accumulate(losses)
+            elif distributed:  # summed here, averaged over every rank's examples below
+                losses.float().sum().backward()
+            else:  # non-private baseline: the mean over the realised batch, as ordinary training does
+                (losses.float().sum() / len(indices)).backward()
+            total += losses.detach().float().sum().item()
+            count += len(chunk)
+        if units:
+            training.engine.close_unit()
     if training.private:
         training.engine.step()  # an empty batch still takes a (noise-only) step and is accounted
+    elif distributed:
+        params = [p for group in training.optimizer.param_groups for p in group["params"]]
+        if training.dist.average_gradients(params, len(indices)):
+            training.optimizer.step()
+        training.optimizer.zero_grad(set_to_none=True)
     elif indices:
         training.optimizer.step()
         training.optimizer.zero_grad(set_to_none=True)
+    if distributed:  # the logged loss is the mean over every rank's examples
+        total, count = training.dist.sum_floats(total, count)
     return total / count if count else None
 
 
@@ -54,8 +70,9 @@ def checkpoint_state(training: Any, step: int) -> dict[str, Any]:
     state = {
         "model": training.model.state_dict(),
         "optimizer": training.optimizer.state_dict(),
-        "sampler": training.sampler.generator.get_state(),
-        "rng": capture_rng_state(),
+        # per rank when distributed (a list indexed by rank, gathered to rank 0, which alone writes)
+        "sampler": _gather(training, training.sampler.generator.get_state()),
+        "rng": _gather(training, capture_rng_state()),
     }
     if training.private:
         state["engine"] = training.engine.state_dict()
@@ -69,15 +86,23 @@ def restore(training: Any, state: dict[str, Any]) -> int:
 
     training.model.load_state_dict(state["model"])
     training.optimizer.load_state_dict(state["optimizer"])
-    training.sampler.generator.set_state(state["sampler"])
+    training.sampler.generator.set_state(_mine(training, state["sampler"]))
     training.sampler.steps = training.plan.steps - state["step"]
     if training.private:
         training.engine.load_state_dict(state["engine"])
         restored = PrivacyLedger.from_dict(state["ledger"])
         for run in restored.runs:  # continue the same account: the engine appends to this ledger object
             training.ledger.record_steps(run.sample_rate, run.noise_multiplier, run.steps)
-    restore_rng_state(state["rng"])
+    restore_rng_state(_mine(training, state["rng"]))
     return state["step"]
+
+
+def _gather(training: Any, value: Any) -> Any:
+    return training.dist.gather(value) if training.dist is not None else value
+
+
+def _mine(training: Any, value: Any) -> Any:
+    return training.dist.mine(value) if training.dist is not None else value
 
 
 def save_checkpoint(training: Any, run: RunDir, step: int) -> None:

@@ -21,7 +21,7 @@ MODEL_DIR = "model"
 
 def _evaluator(training: Any, output: Any):
     def evaluate(records: list) -> dict[str, float]:
-        if not records:
+        if not records or (training.dist is not None and not training.dist.is_writer):  # rank 0 evaluates
             return {}
         task = training.task
         with output.progress(task.evaluation_size(records), "evaluating") as progress:
@@ -49,14 +49,19 @@ def privacy_summary(training: Any) -> dict[str, Any]:
             "max_grad_norm": recipe.privacy.max_grad_norm, "delta": plan.delta, "delta_source": plan.delta_source,
             "accountant": recipe.privacy.accountant, "target_epsilon": recipe.privacy.target_epsilon,
             "sampling": recipe.privacy.sampling, "clipping_mode": recipe.privacy.clipping_mode,
-            "epsilon": {r.method: r.to_dict() for r in training.ledger.report()}}
+            "epsilon": {r.method: r.to_dict() for r in training.ledger.report()},
+            "method": recipe.privacy.method, "mechanism": training.engine.mechanism(),
+            "noise_schedule": [{"noise_multiplier": r.noise_multiplier, "steps": r.steps} for r in training.ledger.runs]}
 
 
 def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str | Path | None = None,
-                 output: Any = None) -> dict[str, Any]:
+                 output: Any = None, build: Any = None) -> dict[str, Any]:
+    """``build(recipe, run) -> Training`` replaces ``build_training`` (``dptext distill`` builds its student
+    run this way); keys of its ``training.info`` override those of the result (e.g. ``privacy``)."""
     from dptext.finetune.loop import restore, run_loop
     from dptext.finetune.setup import build_training
     from dptext.output import Output
+    from dptext.privacy.distributed import FollowerRun, current, release, silent_output
 
     output = output or Output(quiet=True)
     if resume is not None:
@@ -68,11 +73,22 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         recipe = run.recipe()
     elif recipe is None:
         raise UserError("Give a recipe to fine-tune, or --resume RUN_DIR to continue a run.")
-    else:
-        run = RunDir.create(recipe, out)
+    dist = current(recipe.train.device)  # torchrun: one process per device; rank 0 alone writes the run directory
+    if resume is None:
+        if dist.is_writer:
+            run = RunDir.create(recipe, out)
+            dist.broadcast(str(run.path))  # the other ranks learn the (timestamped) directory's name
+        else:
+            run = FollowerRun(dist.broadcast(None))
+    if not dist.is_writer:
+        run, output = FollowerRun(run.path), silent_output()
     output.info(f"Run directory: {run.path}")
     started = time.monotonic()
-    training = build_training(recipe)
+    training = build(recipe, run) if build is not None else build_training(recipe)
+    if training.audit is not None and dist.is_writer:  # who is (not) a member, for `dptext mia`; same seed on resume, same split
+        from dptext.attacks.bookkeeping import write_audit
+
+        write_audit(run.path, training.audit, trained_on=len(training.examples))
     evaluate = _evaluator(training, output)
     state = run.load_checkpoint() if resume is not None else None
     start_step = restore(training, state) if state is not None else 0
@@ -88,6 +104,9 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     last = run_loop(training, run, output, start_step, evaluate)
     final = evaluate(training.final_records)
     run.log_metrics({"step": training.plan.steps, "split": recipe.eval.split, **final})
+    if not dist.is_writer:
+        release()
+        return {"follower": True, "rank": dist.rank, "run_dir": str(run.path)}
     model_dir = save_model(training, run)
     result = {
         "run_dir": str(run.path), "recipe": recipe.name, "model": recipe.model.name, "task": recipe.task.type,
@@ -98,6 +117,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         "seconds": time.monotonic() - started,
     }
     run.save_result(result)
+    release()
     return result
 
 

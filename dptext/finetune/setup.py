@@ -37,6 +37,8 @@ class Training:
     physical_batch_size: int = CPU_PHYSICAL_BATCH
     autocast_dtype: Any = None
     info: dict = field(default_factory=dict)
+    audit: Any = None  # dptext.attacks.bookkeeping.AuditSplit when the recipe's audit section asks for one
+    dist: Any = None  # dptext.privacy.distributed.DistributedContext (world size 1 unless launched by torchrun)
 
     @property
     def private(self) -> bool:
@@ -125,14 +127,23 @@ def build_training(recipe: Any) -> Training:
 
     from dptext.accounting import PrivacyLedger, plan_for_recipe
     from dptext.adaptation import apply_adaptation, trainable_summary
+    from dptext.attacks.bookkeeping import audit_requested, split_for_audit
     from dptext.models import load_tokenizer
     from dptext.privacy import PrivacyEngine
-    from dptext.privacy.sampler import PoissonSampler
+    from dptext.privacy.distributed import current
+    from dptext.privacy.sampler import make_sampler
     from dptext.tasks import build_task
 
     seed_everything(recipe.train.seed)
     device = pick_device(recipe.train.device)
+    dist = current(recipe.train.device)
+    if dist.active and device.type == "cuda":  # one process per GPU
+        device = torch.device("cuda", dist.local_rank)
     train, validation, final = load_splits(recipe)
+    audit = None
+    if audit_requested(recipe.audit):  # hold out non-members / public records, add canaries: before anything sees n
+        audit = split_for_audit(recipe, train)
+        train = audit.training_records(recipe.task.type, recipe.task.control_codes)
     tokenizer = load_tokenizer(recipe.model.name)
     task = build_task(recipe, tokenizer, train)
     model = task.load_model()
@@ -140,6 +151,7 @@ def build_training(recipe: Any) -> Training:
         untie_output_embedding(model)
     model = apply_adaptation(model, recipe).to(device)
     model.train()
+    dist.broadcast_parameters(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(recipe, params)
     plan = plan_for_recipe(recipe, len(train))
@@ -147,9 +159,15 @@ def build_training(recipe: Any) -> Training:
                         optimizer=optimizer, examples=task.encode(train), eval_records=validation,
                         final_records=final, plan=plan, noise_multiplier=None,
                         autocast_dtype=autocast_dtype(recipe.train.precision, device),
-                        info={**trainable_summary(model), "dataset_size": len(train)})
+                        info={**trainable_summary(model), "dataset_size": len(train)}, audit=audit, dist=dist)
     privacy = recipe.privacy
-    if privacy.enabled:
+    if privacy.method != "edp_sgd" and privacy.noise_decay != "none":
+        raise UserError("privacy.noise_decay applies to privacy.method=edp_sgd; set it to none for dp_sgd.")
+    if privacy.enabled and privacy.method == "edp_sgd":
+        from dptext.finetune.edp import build_edp
+
+        build_edp(training, dist)
+    elif privacy.enabled:
         training.noise_multiplier = noise_for(recipe, plan)
         training.ledger = PrivacyLedger(delta=privacy.delta, dataset_size=len(train), accountant=privacy.accountant)
         training.engine = PrivacyEngine(
@@ -157,11 +175,10 @@ def build_training(recipe: Any) -> Training:
             sample_rate=plan.sample_rate, dataset_size=len(train), clipping_mode=privacy.clipping_mode,
             clipping_layout=privacy.clipping_layout, sampling=privacy.sampling,
             seed=None if privacy.secure_rng else recipe.train.seed, secure_rng=privacy.secure_rng,
-            ledger=training.ledger.record_step)
+            ledger=training.ledger.record_step, distributed=dist)
         training.sampler = training.engine.sampler(plan.steps)
     else:  # the same Poisson batches, no clipping or noise: the non-private baseline of the same recipe
-        generator = torch.Generator().manual_seed(recipe.train.seed)
-        training.sampler = PoissonSampler(len(train), plan.sample_rate, plan.steps, generator)
+        training.sampler = make_sampler(len(train), plan.sample_rate, plan.steps, recipe.train.seed, "poisson", dist)
     training.physical_batch_size = recipe.train.physical_batch_size or choose_physical_batch_size(training)
     return training
 

@@ -34,7 +34,7 @@ from dptext.privacy.capture import UseRecorder
 from dptext.privacy.norms import find_rule
 from dptext.privacy.norms.functional import FunctionalRule
 from dptext.privacy.optimizer import DPOptimizer, NoiseSource, random_seed
-from dptext.privacy.sampler import PoissonSampler, ShuffleSampler
+from dptext.privacy.sampler import make_sampler
 
 CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
 CLIPPING_LAYOUTS = ("all_layer", "per_layer")
@@ -87,14 +87,16 @@ class PrivacyEngine:
     Give the sampling as ``sample_rate`` q and ``dataset_size`` n (B = qn), or ``expected_batch_size`` B with
     either of them. ``seed`` makes noise and sampling reproducible; ``secure_rng=True`` seeds them from the OS.
     ``ledger``, a ``dptext.accounting.PrivacyLedger`` (its ``record_step``) or any callable, is called as
-    ``record_step(sample_rate=q, noise_multiplier=σ)`` after every noisy step.
+    ``record_step(sample_rate=q, noise_multiplier=σ)`` after every noisy step. ``distributed``, a
+    ``dptext.privacy.distributed.DistributedContext``, makes it one of N processes (torchrun): its sampler covers
+    this rank's shard, clipped sums are all-reduced and rank 0 adds the noise (see that module).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: float, sample_rate: float | None = None, dataset_size: int | None = None,
                  expected_batch_size: float | None = None, clipping_mode: str = "bookkeeping",
                  clipping_layout: str = "all_layer", sampling: str = "poisson", seed: int | None = None,
-                 secure_rng: bool = False, ledger: Callable[..., Any] | None = None):
+                 secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None):
         self.sample_rate, self.dataset_size, self.expected_batch_size = _sampling_numbers(
             sample_rate, dataset_size, expected_batch_size)
         _check_choice("clipping_mode", clipping_mode, CLIPPING_MODES)
@@ -117,6 +119,10 @@ class PrivacyEngine:
         self.seed = None if secure_rng else (0 if seed is None else seed)
         self._record_step = getattr(ledger, "record_step", ledger)
         self.steps = 0
+        self.distributed = distributed if distributed is not None and distributed.active else None
+        if self.distributed is not None and sampling != "poisson":
+            raise UserError("Distributed training samples each rank's shard by Poisson sampling; "
+                            "use privacy.sampling=poisson.")
 
         tracked = find_tracked_modules(model, clipping_mode)
         self.params = list(dict.fromkeys(getattr(m, n) for m, (_, names) in tracked.items() for n in names))
@@ -128,7 +134,9 @@ class PrivacyEngine:
             for param in self.params:
                 param.requires_grad_(False)
         self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
-                                        self.expected_batch_size, NoiseSource(self.seed, secure_rng))
+                                        self.expected_batch_size, NoiseSource(self.seed, secure_rng),
+                                        reduce=self.distributed.all_reduce_sum if self.distributed else None,
+                                        adds_noise=self.distributed is None or self.distributed.rank == 0)
 
     # ------------------------------------------------------------------ the training step
 
@@ -237,16 +245,20 @@ class PrivacyEngine:
         """The batch sampler this engine is accounted for: ``steps`` batches of dataset indices."""
         if self.dataset_size is None:
             raise UserError("The engine needs dataset_size to sample batches.")
-        generator = torch.Generator()
         seed = random_seed() if self.secure_rng else (generator_seed if generator_seed is not None else self.seed)
-        generator.manual_seed(seed if seed is not None else random_seed())
-        kind = PoissonSampler if self.sampling == "poisson" else ShuffleSampler
-        return kind(self.dataset_size, self.sample_rate, steps, generator)
+        return make_sampler(self.dataset_size, self.sample_rate, steps, seed, self.sampling, self.distributed)
 
     def accounting(self) -> dict[str, Any]:
         """What the accountant needs: the sampled Gaussian mechanism run so far."""
         return {"sample_rate": self.sample_rate, "noise_multiplier": self.noise_multiplier, "steps": self.steps,
                 "sampling": self.sampling, "matches_accounting": self.sampling == "poisson"}
+
+    def mechanism(self) -> dict[str, Any]:
+        """What the guarantee is about: its unit, the sensitivity, where the noise is added."""
+        processes = self.distributed.world_size if self.distributed else 1
+        return {"method": "dp_sgd", "unit": "example", "sensitivity": self.max_grad_norm,
+                "guarantee": "example-level (ε, δ): adding or removing one training example (clipped to C)",
+                "processes": processes, "noise": "N(0, σ²C²) once per step" + (" on rank 0" if processes > 1 else "")}
 
     def state_dict(self) -> dict[str, Any]:
         """Steps taken and the noise generators' states (the wrapped optimizer is saved by its owner)."""

@@ -16,6 +16,7 @@ generator producing Gaussian samples on the device, which torch does not ship.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -64,13 +65,21 @@ class DPOptimizer:
     """Wraps a torch optimizer: ``add_clipped_sums`` per micro-batch, then ``step`` once per logical batch."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], noise_multiplier: float,
-                 max_grad_norm: float, expected_batch_size: float, noise: NoiseSource):
+                 max_grad_norm: float, expected_batch_size: float, noise: NoiseSource,
+                 reduce: Callable[[dict], dict] | None = None, adds_noise: bool = True,
+                 scale: dict[nn.Parameter, float] | None = None):
+        """``reduce`` sums the noisy sums over processes (dptext.privacy.distributed); ``adds_noise`` is False on
+        every rank but 0 there, so the noise is drawn once. ``scale`` multiplies a parameter's noisy sum after
+        the reduction (eDP-SGD's α_l: clipping and noise happen in the scaled space)."""
         self.optimizer = optimizer
         self.params = params
         self.noise_multiplier = noise_multiplier
         self.max_grad_norm = max_grad_norm
         self.expected_batch_size = expected_batch_size
         self.noise = noise
+        self.reduce = reduce
+        self.adds_noise = adds_noise
+        self.scale = scale
         self.summed: dict[nn.Parameter, Tensor] = {}
         self.examples_seen = 0  # realised examples in this logical batch: for logging only, never for scaling
 
@@ -85,14 +94,21 @@ class DPOptimizer:
         self.examples_seen += examples
 
     def privatized_grads(self) -> dict[nn.Parameter, Tensor]:
-        """(Σ_i ḡ_i + N(0, σ²C²)) / B for every parameter, in fp32; consumes the accumulated sums."""
+        """(Σ_i ḡ_i + N(0, σ²C²)) / B for every parameter, in fp32; consumes the accumulated sums.
+
+        Distributed: Σ_ranks (local clipped sum [+ the noise, on rank 0 only]) / B, the same on every rank."""
         self.noise.reseed_if_secure()
-        std = self.noise_multiplier * self.max_grad_norm
-        grads = {}
+        std = self.noise_multiplier * self.max_grad_norm if self.adds_noise else 0.0
+        noisy_sums = {}
         for param in self.params:
             total = self.summed.get(param)
             noisy = self.noise.normal(std, param) if std > 0 else torch.zeros_like(param, dtype=torch.float32)
-            grads[param] = (noisy if total is None else total + noisy) / self.expected_batch_size
+            noisy_sums[param] = noisy if total is None else total + noisy
+        if self.reduce is not None:
+            noisy_sums = self.reduce(noisy_sums)
+        if self.scale is not None:
+            noisy_sums = {param: total * self.scale[param] for param, total in noisy_sums.items()}
+        grads = {param: total / self.expected_batch_size for param, total in noisy_sums.items()}
         self.zero_grad()
         return grads
 

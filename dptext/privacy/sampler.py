@@ -14,12 +14,32 @@ import warnings
 
 import torch
 
+def make_sampler(dataset_size: int, sample_rate: float, steps: int, seed: int | None, sampling: str = "poisson",
+                 distributed=None):
+    """The sampler an engine is accounted for; ``seed=None`` seeds it from the OS. With a distributed context of
+    N > 1 processes: Poisson sampling of this rank's shard (see dptext.privacy.distributed)."""
+    from dptext.privacy.optimizer import random_seed
+
+    generator = torch.Generator()
+    if distributed is not None and distributed.active:
+        from dptext.privacy.distributed import sampler_seed
+
+        generator.manual_seed(random_seed() if seed is None else sampler_seed(seed, distributed.rank))
+        return PoissonSampler(dataset_size, sample_rate, steps, generator, shard=distributed.shard(dataset_size))
+    generator.manual_seed(seed if seed is not None else random_seed())
+    kind = PoissonSampler if sampling == "poisson" else ShuffleSampler
+    return kind(dataset_size, sample_rate, steps, generator)
+
+
 SHUFFLE_WARNING = ("shuffle sampling does not match the Poisson-subsampling privacy accounting: the ε "
                    "reported for this run is not a proven guarantee; use sampling='poisson' for private runs")
 
 
 class PoissonSampler:
-    def __init__(self, dataset_size: int, sample_rate: float, steps: int, generator: torch.Generator):
+    """``shard``: sample only these indices (one rank's share of a distributed run), each with rate q."""
+
+    def __init__(self, dataset_size: int, sample_rate: float, steps: int, generator: torch.Generator,
+                 shard: list[int] | None = None):
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
         self.dataset_size = dataset_size
@@ -27,12 +47,16 @@ class PoissonSampler:
         self.steps = steps
         self.generator = generator
         self.matches_accounting = True
+        self.shard = None if shard is None else torch.tensor(shard, dtype=torch.long)
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self):
         for _ in range(self.steps):
+            if self.shard is not None:
+                yield self.shard[torch.rand(len(self.shard), generator=self.generator) < self.sample_rate].tolist()
+                continue
             chosen = torch.rand(self.dataset_size, generator=self.generator) < self.sample_rate
             yield chosen.nonzero().flatten().tolist()
 
