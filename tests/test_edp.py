@@ -1,0 +1,203 @@
+"""eDP-SGD in one process (SPEC §4): micro-batch clipping against brute force, fixed slots, α, decay,
+calibration of z_0 over the decaying schedule, the ledger against `dptext account --schedule`, and a tiny
+end-to-end `dptext finetune` with public-batch scaling."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dptext.accounting import NoiseSchedule, compute_epsilon
+from dptext.errors import UserError
+from dptext.privacy.edp import ALPHA_FLOOR, EDPEngine, alphas_from_gradients, sensitivity_factor
+
+C = 0.8
+
+
+def model_and_data(n=10):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    generator = torch.Generator().manual_seed(2)
+    return model, torch.randn(n, 5, generator=generator) * 2, torch.randn(n, 3, generator=generator)
+
+
+def losses(model, x, y):
+    return ((model(x) - y) ** 2).sum(dim=1)
+
+
+def engine_for(model, **kwargs):
+    settings = dict(noise_multiplier=0.0, max_grad_norm=C, sample_rate=0.5, dataset_size=10)
+    settings.update(kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    return EDPEngine(model, optimizer, **settings)
+
+
+def brute_force(model, x, y, slots, alphas, indices, clip):
+    """Σ_m clip(Δ_m / α) over the fixed slots m = i mod M, each Δ_m by its own autograd call; also the norms."""
+    params = list(model.parameters())
+    total, norms = [torch.zeros_like(p) for p in params], []
+    for slot in range(slots):
+        members = [i for i in indices if i % slots == slot]
+        if not members:
+            continue
+        grads = torch.autograd.grad(losses(model, x[members], y[members]).mean(), params)
+        scaled = [g / a for g, a in zip(grads, alphas)]
+        norms.append(torch.sqrt(sum(s.pow(2).sum() for s in scaled)).item())
+        factor = min(1.0, clip / (norms[-1] + 1e-6))
+        total = [t + s * factor for t, s in zip(total, scaled)]
+    return total, norms
+
+
+@pytest.mark.parametrize("alphas", [(1.0, 1.0, 1.0, 1.0), (0.5, 2.0, 3.0, 0.25)])
+def test_micro_batch_clipping_matches_brute_force(alphas):
+    model, x, y = model_and_data()
+    indices = [0, 2, 3, 4, 5, 7, 8, 9]
+    _, norms = brute_force(model, x, y, 3, alphas, indices, math.inf)
+    clip = (sorted(norms)[0] + sorted(norms)[1]) / 2  # one micro-batch unclipped, two clipped
+    expected, _ = brute_force(model, x, y, 3, alphas, indices, clip)
+    engine = engine_for(model, max_grad_norm=clip, micro_batches_per_device=3,
+                        alphas=dict(zip(model.parameters(), alphas)))
+    seen = []
+    for unit in engine.clipping_units(indices):
+        for start in range(0, len(unit), 2):  # physical chunks of 2 inside one micro-batch
+            chunk = unit[start:start + 2]
+            engine.accumulate(losses(model, x[chunk], y[chunk]))
+        seen.append(engine.close_unit())
+    assert seen == pytest.approx(norms, rel=1e-5)
+    got = engine.clipped_grads()
+    for param, want in zip(model.parameters(), expected):
+        assert torch.allclose(got[param], want, atol=1e-6), (got[param] - want).abs().max()
+
+
+def test_slots_are_fixed_by_index_not_by_the_sample():
+    model, _, _ = model_and_data()
+    engine = engine_for(model, micro_batches_per_device=3)
+    batch = [0, 1, 4, 6, 8]
+    grown = sorted(batch + [2])  # one more example: only its own slot (2 mod 3 = 2) may change
+    before = {tuple(u) for u in engine.clipping_units(batch)}
+    after = {tuple(u) for u in engine.clipping_units(grown)}
+    assert before - after == {(8,)} and after - before == {(2, 8)}
+    assert all(len({i % 3 for i in unit}) == 1 for unit in engine.clipping_units(list(range(10))))
+
+
+def test_sensitivity_is_2c_unless_each_slot_owns_one_example():
+    assert sensitivity_factor(slots=4, dataset_size=10) == 2
+    assert sensitivity_factor(slots=10, dataset_size=10) == 1
+    model, _, _ = model_and_data()
+    engine = engine_for(model, noise_multiplier=3.0)
+    assert engine.accounting_noise_multiplier == 1.5 and engine.mechanism()["sensitivity"] == pytest.approx(2 * C)
+    one_each = engine_for(model, noise_multiplier=3.0, micro_batches_per_device=10)
+    assert one_each.accounting_noise_multiplier == 3.0 and one_each.mechanism()["sensitivity_factor"] == 1
+
+
+@pytest.mark.parametrize("kind, rate, closed_form", [
+    ("constant", 0.0, lambda z, t: z),
+    ("linear", 0.3, lambda z, t: z / (1 + 0.3 * t)),
+    ("exp", 0.2, lambda z, t: z * math.exp(-0.2 * t)),
+])
+def test_noise_decays_by_epoch(kind, rate, closed_form):
+    model, _, _ = model_and_data()
+    engine = engine_for(model, noise_multiplier=2.0, schedule=NoiseSchedule(kind, rate=rate), steps_per_epoch=3)
+    for step in range(12):
+        z_t, sigma_t = engine.noise_multiplier_at(step)
+        assert z_t == pytest.approx(closed_form(2.0, step // 3), rel=1e-12)
+        assert sigma_t == pytest.approx(z_t / 2, rel=1e-12)
+
+
+def test_noise_std_in_one_process_is_alpha_c_z_over_slots():
+    torch.manual_seed(0)
+    model = nn.Linear(400, 300)
+    alphas = dict(zip(model.parameters(), (2.5, 1.0)))
+    engine = EDPEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.2, max_grad_norm=0.5,
+                       sample_rate=0.1, dataset_size=1000, micro_batches_per_device=4, alphas=alphas,
+                       scaling="public", seed=1)
+    before = model.weight.detach().clone()
+    engine.step()
+    assert (before - model.weight).std().item() == pytest.approx(2.5 * 0.5 * 1.2 / 4, rel=0.02)
+
+
+def test_alphas_are_gradient_norms_with_unit_rms():
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2))]
+    grads = dict(zip(params, [torch.tensor([3.0, 0, 4]), torch.full((4,), 0.5), torch.zeros(2)]))
+    alphas = alphas_from_gradients(grads)
+    rms = math.sqrt((25 + 1) / 3)
+    assert [alphas[p] for p in params] == pytest.approx([5 / rms, 1 / rms, ALPHA_FLOOR])
+    with pytest.raises(UserError):
+        alphas_from_gradients({params[0]: torch.zeros(3)})
+
+
+def test_ledger_of_a_decaying_schedule_equals_dptext_account(capsys):
+    from dptext.accounting import PrivacyLedger
+    from dptext.cli.app import main
+
+    ledger = PrivacyLedger(delta=1e-5, accountant="rdp")
+    model, _, _ = model_and_data()
+    engine = engine_for(model, noise_multiplier=2.4, sample_rate=0.25, dataset_size=1000,
+                        schedule=NoiseSchedule("linear", rate=0.4), steps_per_epoch=4, ledger=ledger)
+    for _ in range(11):
+        engine.step()  # noise-only steps: what is accounted does not depend on the data
+    assert [r.noise_multiplier for r in ledger.runs] == pytest.approx([1.2, 1.2 / 1.4, 1.2 / 1.8])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as code:
+        main(["account", "--sigma", "1.2", "--sample-rate", "0.25", "--steps", "11", "--schedule", "linear:0.4",
+              "--delta", "1e-5", "--json"])
+    assert code.value.code == 0
+    reported = {r["method"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert reported["rdp"]["epsilon"] == pytest.approx(ledger.epsilon("rdp").epsilon, rel=1e-12)
+    assert reported["gdp"]["epsilon"] == pytest.approx(ledger.epsilon("gdp").epsilon, rel=1e-12)
+
+
+def test_z0_is_calibrated_over_the_whole_decaying_schedule():
+    from types import SimpleNamespace
+
+    from dptext.accounting import plan_for_recipe
+    from dptext.config import load_recipe
+    from dptext.finetune.edp import accounting_sigma, noise_schedule
+
+    recipe = load_recipe(None, ["privacy.method=edp_sgd", "privacy.noise_decay=exponential",
+                                "privacy.noise_decay_rate=0.3", "train.batch_size=50", "train.epochs=4",
+                                "privacy.target_epsilon=3"])
+    plan = plan_for_recipe(recipe, 1000)
+    schedule = noise_schedule(recipe.privacy)
+    sigma0 = accounting_sigma(recipe, plan, 2, schedule)
+    runs = schedule.step_runs(sigma0, plan.sample_rate, plan.steps, plan.steps_per_epoch)
+    assert len(runs) == 4 and runs[-1].noise_multiplier == pytest.approx(sigma0 * math.exp(-0.9))
+    spent = compute_epsilon("rdp", runs, plan.delta).epsilon
+    assert spent <= 3.0 and spent == pytest.approx(3.0, rel=1e-3)
+    constant = accounting_sigma(SimpleNamespace(privacy=SimpleNamespace(**{**vars(recipe.privacy),
+                                                                           "noise_decay": "none"})),
+                                plan, 2, noise_schedule(SimpleNamespace(noise_decay="none")))
+    assert sigma0 > constant  # decaying noise must start higher to spend the same ε
+    pinned = load_recipe(None, ["privacy.method=edp_sgd", "privacy.noise_multiplier=3.0"])
+    assert accounting_sigma(pinned, plan, 2, schedule) == 1.5  # a pinned value is z_0; the accountant sees z_0/2
+
+
+@pytest.mark.integration
+def test_finetune_edp_public_scaling_single_process(shared_data, tmp_path):
+    from dptext.config import load_recipe
+    from dptext.finetune import run_finetune
+
+    sst2 = shared_data / "sst2"
+    recipe = load_recipe(None, [
+        "model.name=tiny-bert", "data.dataset=sst2", f"data.path={sst2}", "task.type=classification",
+        "eval.split=validation", "data.max_train_examples=32", "data.max_eval_examples=8", "data.max_length=48",
+        "train.batch_size=8", "train.max_steps=3", "privacy.target_epsilon=8", "privacy.method=edp_sgd",
+        "privacy.edp_scaling=public", f"privacy.edp_public_path={sst2}", "privacy.edp_public_examples=8",
+        "privacy.edp_micro_batches_per_device=2"])
+    result = run_finetune(recipe, out=tmp_path / "run")
+    mechanism = result["privacy"]["mechanism"]
+    assert mechanism["scaling"] == "public" and not mechanism["scaling_leaks"] and mechanism["slots"] == 2
+    assert "2C" in mechanism["guarantee"]
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert ledger["mechanism"]["z0"] == pytest.approx(2 * ledger["runs"][0]["noise_multiplier"])
+    leaking = load_recipe(None, ["privacy.method=edp_sgd", "privacy.edp_scaling=first_step"])
+    assert leaking.privacy.edp_scaling == "first_step"
+    with pytest.raises(UserError, match="edp_public_path"):
+        run_finetune(load_recipe(None, ["model.name=tiny-bert", "data.dataset=sst2", f"data.path={sst2}",
+                                        "task.type=classification", "data.max_train_examples=16", "train.batch_size=4",
+                                        "privacy.method=edp_sgd", "privacy.edp_scaling=public"]),
+                     out=tmp_path / "bad")
