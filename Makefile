@@ -8,7 +8,7 @@ STAMP       := $(VENV)/.dptext-installed
 E2E_DATA    ?= $(SHARED_DATA)/e2e_nlg
 RUNS        ?= runs
 
-.PHONY: setup test test-slow quickstart e2e-repro clean
+.PHONY: setup test test-slow quickstart e2e-repro distill-offline atis snips bench-nlu clean
 
 # Idempotent: the stamp is rebuilt only when pyproject.toml changes.
 # torch==2.13.0 goes first: it is the CPU wheel on disk; an unpinned torch would pull GBs of CUDA packages.
@@ -44,6 +44,23 @@ e2e-repro: setup
 	$(BIN)/dptext finetune recipes/e2e-smollm.yaml data.path=$(E2E_DATA) name=e2e-smollm-eps3 privacy.target_epsilon=3 --out $(RUNS)/e2e-smollm-eps3
 	$(BIN)/dptext finetune recipes/e2e-smollm.yaml data.path=$(E2E_DATA) name=e2e-smollm-nonprivate privacy.enabled=false --out $(RUNS)/e2e-smollm-nonprivate
 	$(BIN)/python benchmarks/collect_runs.py $(RUNS)/e2e-smollm-eps3 $(RUNS)/e2e-smollm-eps8 $(RUNS)/e2e-smollm-nonprivate
+
+# DistilDP (Flemings & Annavaram) offline at CPU scale: SmolLM2-135M teacher (ε=2) -> synthetic reviews -> 10-layer
+# student, with the DP-SGD, DPKD, synthetic-only and zero-shot baselines, then the PPL table. Resumable: rerun to continue.
+AMAZON_DATA ?= $(SHARED_DATA)/amazon_multidomain_sentiment
+distill-offline: setup
+	benchmarks/distill_offline.sh $(RUNS)/distill-offline $(AMAZON_DATA)
+
+# Joint intent + slot filling (Dupuy et al.): non-private, per-example DP-SGD and eDP-SGD at ε=8 with MiniLM-L6,
+# SER / intent accuracy / slot F1 on the test split; bench-nlu times an epoch of each method with 1 and 2 processes.
+atis snips: setup
+	for v in nonprivate dpsgd edp; do \
+	    $(BIN)/dptext finetune recipes/$@-$$v.yaml data.path=$(SHARED_DATA)/$@ $(OVERRIDES) --out $(RUNS)/$@-$$v || exit 1; done
+	$(BIN)/python benchmarks/bench_nlu_timing.py --ser-table $(RUNS)/$@-nonprivate $(RUNS)/$@-dpsgd $(RUNS)/$@-edp
+
+bench-nlu: setup
+	$(BIN)/python benchmarks/bench_nlu_timing.py --data $(SHARED_DATA) \
+	    --ser-runs $(RUNS)/atis-nonprivate $(RUNS)/atis-dpsgd $(RUNS)/atis-edp $(RUNS)/snips-nonprivate $(RUNS)/snips-dpsgd $(RUNS)/snips-edp
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,49 @@
+"""`dptext distill`: DistilDP student training and the paper's baselines, as a recipe's distill section says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+from dptext.cli.common import JsonOption, OutOption, OverridesArgument, ResumeOption, make_output
+
+
+def distill(
+    recipe: Annotated[Optional[Path], typer.Argument(help="Recipe YAML with a distill: section (see recipes/).",
+                                                     show_default=False)] = None,
+    overrides: OverridesArgument = None,
+    out: OutOption = None,
+    resume: ResumeOption = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Train a student from a DP teacher (distildp) or run a baseline (dp_sgd, dpkd, synthetic_only, zero_shot)."""
+    from dptext.config import load_recipe
+    from dptext.distill import run_distill
+    from dptext.errors import UserError
+
+    output = make_output(json_mode)
+    if resume is not None and (recipe is not None or overrides):
+        raise UserError("--resume continues a run with its own resolved.yaml; drop the recipe and overrides.")
+    loaded = load_recipe(recipe, overrides or []) if recipe is not None else None
+    result = run_distill(loaded, out=out, resume=resume, output=output)
+    render(output, result)
+    output.result(result)
+
+
+def render(output, result: dict) -> None:
+    claim = result["privacy_claim"]
+    student = result["student"]
+    rows = [["method", result["method"]],
+            [f"perplexity ({result['eval_split']}, real data)", result["metrics"].get("perplexity")],
+            ["student", f"{student['source']} layers {student['layers']} ({student['parameters']:,} parameters)"],
+            ["ε", claim["epsilon"]], ["δ", claim["delta"]], ["time (s)", result["seconds"]]]
+    output.table(f"{result['recipe']}: student", ["", "value"], rows)
+    how = claim.get("composition") or claim.get("note", "")
+    output.info(f"Privacy: {how}. Run directory: {result['run_dir']}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("distill")(distill)

@@ -1,0 +1,25 @@
+"""DistilDP (Flemings & Annavaram; SPEC §6): DP synthetic text from a DP teacher, and distillation into a student.
+
+``synthesize`` (``dptext synth``) samples control-coded text from a finished DP teacher run;
+``run_distill`` (``dptext distill``) trains a student on it with the KD loss, or runs one of the
+paper's baselines (DP-SGD student, DPKD, synthetic data only, zero-shot) for comparison.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def synthesize(*args: Any, **kwargs: Any):
+    from dptext.distill.synth import synthesize as _synthesize
+
+    return _synthesize(*args, **kwargs)
+
+
+def run_distill(*args: Any, **kwargs: Any):
+    from dptext.distill.run import run_distill as _run_distill
+
+    return _run_distill(*args, **kwargs)
+
+
+__all__ = ["synthesize", "run_distill"]

@@ -1,0 +1,298 @@
+"""``synthesize``: DP synthetic text from a DP-fine-tuned teacher, conditioned on control codes.
+
+DistilDP step 3 (SPEC §6). The teacher is a finished ``dptext finetune`` run directory (its
+``model/``, ``resolved.yaml`` and ``result.json`` with ε). Codes are drawn from the code
+distribution of the teacher's training set (exact, as the paper, or a DP histogram, see
+``dptext.distill.codes``) and each one prompts the teacher, which samples the text with
+top-k / top-p / temperature up to ``max_new_tokens``. Sampling from a DP model is
+post-processing; the privacy of the output is the teacher's plus the histogram's (basic
+composition), recorded in ``provenance.json`` so the claim travels with the data.
+
+Output folder::
+
+    plan.json          codes of every record (drawn once), split, settings: the resume contract
+    chunks/            part-NNNNN.jsonl, one batch each, written atomically while generating
+    train.jsonl        records {<code fields>, "code", "text", "tokens", "index"} (when complete)
+    validation.jsonl
+    summary.json       code coverage, lengths, duplicates, throughput
+    provenance.json    teacher run, its ε/δ and accountant, code mechanism and its ε, total ε
+
+Resuming: a batch's sampling RNG is seeded from (seed, batch index) alone, and a batch is
+either fully on disk or not at all, so an interrupted run continued later writes exactly
+the records a straight-through run writes (same code, same device and library versions).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+from dptext.distill.codes import (CodeDistribution, code_distribution, compose_basic, sample_codes,
+                                  total_variation)
+from dptext.errors import UserError
+from dptext.runs import RunDir, atomic_write_json, atomic_write_text, provenance
+
+PLAN, SUMMARY, PROVENANCE = "plan.json", "summary.json", "provenance.json"
+CHUNKS = "chunks"
+SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
+SEED_STRIDE = 1_000_003  # batch b of seed s samples with torch seed s·STRIDE + b
+
+
+def teacher_info(teacher: str | Path) -> dict[str, Any]:
+    """What a finished teacher run says about itself: recipe, model folder, privacy."""
+    run = RunDir.open(teacher)
+    result = run.load_result()
+    model_dir = run.path / "model"
+    if result is None or not (model_dir / "config.json").is_file():
+        raise UserError(f"Teacher run '{teacher}' has not finished (no result.json or model/); finish it with "
+                        f"`dptext finetune --resume {teacher}` first.")
+    recipe = run.recipe()
+    if recipe.task.type != "language_modeling" or not recipe.task.control_codes:
+        raise UserError(f"Teacher run '{teacher}' is not a control-coded language model (task.type="
+                        f"{recipe.task.type}, control_codes={recipe.task.control_codes}); fine-tune the teacher with "
+                        "task.type=language_modeling and task.control_codes set.")
+    return {"run": run, "recipe": recipe, "result": result, "model_dir": model_dir,
+            "privacy": teacher_privacy(result, str(run.path.resolve()))}
+
+
+def teacher_privacy(result: dict[str, Any], run_path: str) -> dict[str, Any]:
+    """The teacher's (ε, δ) by its own accountant, from its result.json."""
+    privacy = result["privacy"]
+    if not privacy.get("private"):
+        return {"teacher_run": run_path, "private": False, "epsilon": None, "delta": None, "accountant": None,
+                "note": "the teacher was trained WITHOUT differential privacy: nothing derived from it is DP"}
+    accountant = privacy["accountant"]
+    return {"teacher_run": run_path, "private": True, "epsilon": privacy["epsilon"][accountant]["epsilon"],
+            "delta": privacy["delta"], "accountant": accountant,
+            "epsilon_by_method": {m: e["epsilon"] for m, e in privacy["epsilon"].items()},
+            "noise_multiplier": privacy["noise_multiplier"], "steps": privacy["steps"],
+            "sample_rate": privacy["sample_rate"]}
+
+
+def combined_privacy(teacher: dict[str, Any], codes: CodeDistribution) -> dict[str, Any]:
+    """The synthetic data's privacy: teacher ⊕ code histogram (basic composition), with what is not covered."""
+    if not teacher["private"]:
+        return {"epsilon": None, "delta": None, "composition": "none", "note": teacher["note"]}
+    total = compose_basic(teacher["epsilon"], teacher["delta"], codes)
+    if codes.mechanism == "exact":
+        note = ("codes sampled from the EXACT private code distribution (as in the paper): the code frequencies are "
+                "not protected and not counted in ε")
+    elif codes.domain_from_data:
+        note = ("DP code histogram over the codes present in the data: the counts are protected, the set of codes "
+                "that occur is not (give --code-domain for a fully DP histogram)")
+    else:
+        note = "DP code histogram over a fixed code domain: counts and support protected"
+    return {**total, "composition": "basic: ε = ε_teacher + ε_codes, δ = δ_teacher + δ_codes", "note": note}
+
+
+# --------------------------------------------------------------------------- the plan (resume contract)
+
+def make_plan(info: dict[str, Any], n: int, settings: dict[str, Any], code_settings: dict[str, Any],
+              validation_fraction: float, seed: int) -> dict[str, Any]:
+    import numpy as np
+
+    from dptext.data import load_records
+
+    recipe = info["recipe"]
+    records = load_records(recipe.data, "train")  # exactly the teacher's training set
+    distribution = code_distribution(records, recipe.task.control_codes, code_settings["mechanism"],
+                                     epsilon=code_settings["epsilon"], delta=code_settings["delta"],
+                                     domain=code_settings["domain"], seed=seed)
+    codes = sample_codes(distribution, n, seed)
+    n_validation = int(round(validation_fraction * n))
+    validation = sorted(np.random.default_rng(seed + 1).choice(n, size=n_validation, replace=False).tolist())
+    return {"n": n, "seed": seed, "settings": settings, "code_settings": code_settings,
+            "distribution": distribution.to_dict(), "codes": [list(c) for c in codes],
+            "validation_indices": validation, "teacher": info["privacy"]["teacher_run"]}
+
+
+def load_or_make_plan(out: Path, make: Any, settings: dict[str, Any], n: int, seed: int) -> dict[str, Any]:
+    path = out / PLAN
+    if path.exists():
+        plan = json.loads(path.read_text())
+        asked = {"n": n, "seed": seed, "settings": settings}
+        stored = {k: plan[k] for k in asked}
+        if json.loads(json.dumps(asked)) != stored:
+            raise UserError(f"{out} holds a synthesis with other settings ({stored}); resume it with the same "
+                            "settings or choose another --out.")
+        return plan
+    plan = make()
+    atomic_write_json(path, plan)
+    return plan
+
+
+# --------------------------------------------------------------------------- generation
+
+def code_text(fields: Sequence[str], code: Sequence[Any]) -> str:
+    from dptext.tasks.text_format import control_code
+
+    return control_code(dict(zip(fields, code)), fields)
+
+
+def generate_batch(model: Any, tokenizer: Any, prompts: list[str], settings: dict[str, Any],
+                   torch_seed: int) -> tuple[list[str], list[int]]:
+    """Sampled completions of ``prompts`` (text and generated-token count, EOS excluded)."""
+    import torch
+
+    device = next(model.parameters()).device
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                      add_special_tokens=False).to(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(torch_seed)
+        sequences = model.generate(**batch, do_sample=True, top_k=settings["top_k"], top_p=settings["top_p"],
+                                   temperature=settings["temperature"], max_new_tokens=settings["max_new_tokens"],
+                                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    texts, lengths = [], []
+    for row in sequences[:, batch["input_ids"].shape[1]:].tolist():
+        if tokenizer.eos_token_id in row:
+            row = row[:row.index(tokenizer.eos_token_id)]
+        texts.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+        lengths.append(len(row))
+    return texts, lengths
+
+
+def completed_chunks(out: Path) -> int:
+    """Batches already on disk: part files are written atomically and in order."""
+    return len(sorted((out / CHUNKS).glob("part-*.jsonl"))) if (out / CHUNKS).is_dir() else 0
+
+
+def generate_all(model: Any, tokenizer: Any, plan: dict[str, Any], out: Path, batch_size: int, output: Any,
+                 max_chunks: int | None = None) -> dict[str, float]:
+    fields = plan["distribution"]["fields"]
+    settings = plan["settings"]
+    codes = plan["codes"]
+    validation = set(plan["validation_indices"])
+    n_chunks = (len(codes) + batch_size - 1) // batch_size
+    done = completed_chunks(out)
+    (out / CHUNKS).mkdir(parents=True, exist_ok=True)
+    started, tokens, made = time.monotonic(), 0, 0
+    stop = n_chunks if max_chunks is None else min(n_chunks, done + max_chunks)
+    with output.progress(len(codes), "generating") as progress:
+        progress.advance(min(done * batch_size, len(codes)))
+        for chunk in range(done, stop):
+            indices = range(chunk * batch_size, min((chunk + 1) * batch_size, len(codes)))
+            strings = [code_text(fields, codes[i]) for i in indices]
+            texts, lengths = generate_batch(model, tokenizer, [s + "\n" for s in strings], settings,
+                                            plan["seed"] * SEED_STRIDE + chunk)
+            lines = []
+            for i, string, text, length in zip(indices, strings, texts, lengths):
+                record = {**dict(zip(fields, codes[i])), "code": string, "text": text, "tokens": length,
+                          "index": i, "split": "validation" if i in validation else "train"}
+                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+            atomic_write_text(out / CHUNKS / f"part-{chunk:05d}.jsonl", "".join(lines))
+            tokens += sum(lengths)
+            made += len(lines)
+            elapsed = time.monotonic() - started
+            progress.advance(len(lines), examples_per_s=made / elapsed, tokens_per_s=tokens / elapsed)
+    elapsed = time.monotonic() - started
+    return {"generated_now": made, "seconds": elapsed, "examples_per_second": made / elapsed if elapsed else None,
+            "tokens_per_second": tokens / elapsed if elapsed else None, "complete": stop == n_chunks}
+
+
+def read_chunks(out: Path) -> list[dict[str, Any]]:
+    records = []
+    for part in sorted((out / CHUNKS).glob("part-*.jsonl")):
+        records.extend(json.loads(line) for line in part.read_text(encoding="utf-8").splitlines() if line)
+    return records
+
+
+# --------------------------------------------------------------------------- summary
+
+def summarize(records: list[dict[str, Any]], plan: dict[str, Any], training_texts: list[str] | None) -> dict[str, Any]:
+    distribution = CodeDistribution.from_dict(plan["distribution"])
+    sampled = [tuple(plan["codes"][r["index"]]) for r in records]
+    support = [c for c, p in zip(distribution.codes, distribution.probabilities) if p > 0]
+    lengths = sorted(r["tokens"] for r in records)
+    texts = [r["text"] for r in records]
+    counts = Counter(texts)
+    summary = {
+        "n": len(records),
+        "splits": {s: sum(r["split"] == s for r in records) for s in SPLIT_FILES},
+        "code_coverage": {"codes_in_distribution": len(support), "codes_generated": len(set(sampled)),
+                          "total_variation_to_distribution": total_variation(sampled, distribution),
+                          "per_code": {" || ".join(map(str, c)): n for c, n in sorted(Counter(sampled).items(), key=str)}},
+        "length_tokens": {"mean": statistics.fmean(lengths), "median": statistics.median(lengths),
+                          "p90": lengths[int(0.9 * (len(lengths) - 1))], "max": lengths[-1], "min": lengths[0],
+                          "hit_max_new_tokens": sum(n >= plan["settings"]["max_new_tokens"] for n in lengths) / len(lengths)},
+        "empty_texts": sum(not t for t in texts),
+        "exact_duplicate_rate": 1 - len(counts) / len(texts),
+    }
+    if training_texts is not None:
+        private = {t.strip() for t in training_texts}
+        summary["training_text_copies"] = {
+            "count": sum(t in private for t in texts), "rate": sum(t in private for t in texts) / len(texts),
+            "note": "computed against the PRIVATE training texts: for the data owner, not for publication"}
+    return summary
+
+
+# --------------------------------------------------------------------------- entry point
+
+def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: str = "exact",
+               code_epsilon: float | None = None, code_delta: float | None = None,
+               code_domain: dict[str, list] | None = None, top_k: int = 50, top_p: float = 0.9,
+               temperature: float = 1.0, max_new_tokens: int = 128, batch_size: int = 32,
+               validation_fraction: float = 0.01, seed: int = 0, check_training_copies: bool = False,
+               device: str = "auto", max_chunks: int | None = None, output: Any = None) -> dict[str, Any]:
+    """Generate (or continue generating) ``n`` synthetic records into ``out``; returns the summary.
+
+    ``max_chunks`` stops after that many batches (time-boxed runs; call again to continue).
+    """
+    from dptext.finetune.setup import pick_device
+    from dptext.models import load_model
+    from dptext.output import Output
+
+    output = output or Output(quiet=True)
+    if n < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise UserError("n, batch size and max new tokens must all be at least 1.")
+    if not 0 <= validation_fraction < 1:
+        raise UserError(f"--validation-fraction must be in [0, 1), got {validation_fraction}.")
+    out = Path(out)
+    if (out / PROVENANCE).exists():
+        output.info(f"{out} is complete; its summary is below.")
+        return json.loads((out / SUMMARY).read_text())
+    info = teacher_info(teacher)
+    settings = {"top_k": top_k, "top_p": top_p, "temperature": temperature, "max_new_tokens": max_new_tokens,
+                "batch_size": batch_size, "validation_fraction": validation_fraction}
+    code_settings = {"mechanism": code_mechanism, "epsilon": code_epsilon, "delta": code_delta, "domain": code_domain}
+    out.mkdir(parents=True, exist_ok=True)
+    plan = load_or_make_plan(out, lambda: make_plan(info, n, settings, code_settings, validation_fraction, seed),
+                             settings, n, seed)
+    model, tokenizer = load_model(str(info["model_dir"]), head="causal_lm")
+    model.to(pick_device(device)).eval()
+    output.info(f"Teacher {info['privacy']['teacher_run']} (ε={info['privacy']['epsilon']}); {n} records, "
+                f"{completed_chunks(out) * batch_size} already on disk.")
+    speed = generate_all(model, tokenizer, plan, out, batch_size, output, max_chunks)
+    if not speed["complete"]:
+        return {"complete": False, "records_on_disk": min(completed_chunks(out) * batch_size, n), **speed}
+    return finish(out, plan, info, speed, check_training_copies)
+
+
+def finish(out: Path, plan: dict[str, Any], info: dict[str, Any], speed: dict[str, Any],
+           check_training_copies: bool) -> dict[str, Any]:
+    from dptext.data import load_records
+
+    records = read_chunks(out)
+    if [r["index"] for r in records] != list(range(plan["n"])):
+        raise UserError(f"{out}/{CHUNKS} does not hold records 0..{plan['n'] - 1} exactly once; delete the folder "
+                        "and generate again.")
+    for split, name in SPLIT_FILES.items():
+        atomic_write_text(out / name, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                              for r in records if r["split"] == split))
+    training = [r["text"] for r in load_records(info["recipe"].data, "train")] if check_training_copies else None
+    summary = {**summarize(records, plan, training), "throughput_this_session": speed}
+    atomic_write_json(out / SUMMARY, summary)
+    distribution = CodeDistribution.from_dict(plan["distribution"])
+    codes = {k: v for k, v in distribution.to_dict().items() if k not in ("codes", "probabilities", "noisy_counts")}
+    atomic_write_json(out / PROVENANCE, {
+        "kind": "dptext synthetic data (DistilDP)", "teacher": info["privacy"],
+        "teacher_model": str(info["model_dir"].resolve()), "teacher_recipe": info["recipe"].name,
+        "teacher_data": {"dataset": info["recipe"].data.dataset, "path": info["recipe"].data.path,
+                         "max_train_examples": info["recipe"].data.max_train_examples},
+        "control_codes": info["recipe"].task.control_codes, "code_distribution": codes,
+        "privacy": combined_privacy(info["privacy"], distribution),
+        "generation": plan["settings"], "n": plan["n"], "seed": plan["seed"], "software": provenance()})
+    return summary

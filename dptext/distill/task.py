@@ -1,0 +1,37 @@
+"""The distillation objective as a fine-tuning task: the causal-LM task with the teacher in the loss.
+
+Encoding, batching and evaluation are ``LanguageModelingTask``'s (control code as the prompt,
+loss on the text, perplexity on held-out records), so the student is trained and scored on
+exactly the text format the teacher learnt. Teacher logits are computed on the fly, without
+gradients; the teacher is not part of the student's parameters (nor of a DP engine's hooks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dptext.distill.loss import distillation_loss
+from dptext.tasks.language_modeling import LanguageModelingTask
+
+
+class DistillationTask(LanguageModelingTask):
+    def __init__(self, recipe: Any, tokenizer: Any, teacher: Any):
+        super().__init__(recipe, tokenizer)
+        self.teacher = teacher
+        self.kd_lambda = recipe.distill.kd_lambda
+        self.temperature = recipe.distill.temperature
+        self.hidden_alpha = recipe.distill.hidden_alpha
+
+    def per_example_loss(self, model: Any, batch: dict[str, Any]):
+        import torch
+
+        wants_hidden = self.hidden_alpha > 0
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        student = model(**inputs, output_hidden_states=wants_hidden)
+        with torch.no_grad():
+            teacher = self.teacher(**inputs, output_hidden_states=wants_hidden)
+        return distillation_loss(
+            student.logits, batch["labels"], batch["attention_mask"], teacher_logits=teacher.logits,
+            kd_lambda=self.kd_lambda, temperature=self.temperature, hidden_alpha=self.hidden_alpha,
+            student_hidden=student.hidden_states[-1] if wants_hidden else None,
+            teacher_hidden=teacher.hidden_states[-1] if wants_hidden else None, reduction=self.reduction)

@@ -1,0 +1,152 @@
+"""DistilDP end to end on tiny models through the CLI: teacher -> synth -> distill (+ baselines), provenance and ε.
+
+Also: an interrupted synthesis, resumed, writes exactly what a straight-through one writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dptext.cli.app import main
+from dptext.distill import synth as synth_module
+from dptext.distill.synth import synthesize
+from dptext.errors import UserError
+
+pytestmark = pytest.mark.integration
+
+DATA = Path(os.environ.get("DPTEXT_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+AMAZON = DATA / "amazon_multidomain_sentiment"
+SLICE = {"dataset": "amazon", "path": str(AMAZON), "max_train_examples": 48, "max_eval_examples": 8,
+         "max_length": 40}
+TASK = {"type": "language_modeling", "control_codes": ["category", "rating"]}
+
+
+def write_recipe(path: Path, **sections) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump(sections), encoding="utf-8")
+    return path
+
+
+def cli(args: list[str], capsys) -> dict:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as code:
+        main(args + ["--json"])
+    captured = capsys.readouterr()
+    assert code.value.code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def teacher_run(root: Path, name: str, epsilon: float, delta: float | None = None) -> Path:
+    recipe = write_recipe(root / f"{name}.yaml", name=name, model={"name": "tiny-llama"}, data=SLICE, task=TASK,
+                          privacy={"target_epsilon": epsilon, "delta": delta},
+                          train={"batch_size": 12, "max_steps": 2, "learning_rate": 1e-3})
+    with pytest.raises(SystemExit) as code:
+        main(["finetune", str(recipe), "--out", str(root / name), "--json"])
+    assert code.value.code == 0
+    return root / name
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    if not AMAZON.is_dir():
+        pytest.skip(f"shared datasets not found at {DATA}")
+    return teacher_run(tmp_path_factory.mktemp("teacher"), "teacher", 2.0)
+
+
+def read(folder: Path) -> dict[str, str]:
+    return {name: (folder / name).read_text() for name in ("train.jsonl", "validation.jsonl")}
+
+
+def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, tmp_path, monkeypatch):
+    settings = dict(n=10, batch_size=3, max_new_tokens=6, validation_fraction=0.3, seed=5)
+    straight = synthesize(teacher, tmp_path / "straight", **settings)
+    assert straight["n"] == 10 and straight["splits"] == {"train": 7, "validation": 3}
+
+    calls = {"n": 0}
+    real = synth_module.generate_batch
+
+    def crash_on_third_batch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # killed mid-run
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(synth_module, "generate_batch", crash_on_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        synthesize(teacher, tmp_path / "resumed", **settings)
+    assert synth_module.completed_chunks(tmp_path / "resumed") == 2 and not (tmp_path / "resumed/train.jsonl").exists()
+    monkeypatch.setattr(synth_module, "generate_batch", real)
+    synthesize(teacher, tmp_path / "resumed", **settings)
+    assert read(tmp_path / "resumed") == read(tmp_path / "straight")
+    records = [json.loads(line) for text in read(tmp_path / "straight").values() for line in text.splitlines()]
+    assert sorted(r["index"] for r in records) == list(range(10))  # none lost, none twice
+    assert all(r["code"] == f"Category: {r['category']} || Rating: {r['rating']}" for r in records)
+    with pytest.raises(UserError):  # other settings cannot continue this folder
+        synthesize(teacher, tmp_path / "other", **settings, max_chunks=1)
+        synthesize(teacher, tmp_path / "other", **{**settings, "max_new_tokens": 7})
+
+
+def test_teacher_synth_distill_carry_the_privacy_claim(teacher, tmp_path, capsys):
+    teacher_result = json.loads((teacher / "result.json").read_text())
+    eps_teacher = teacher_result["privacy"]["epsilon"]["rdp"]["epsilon"]
+    delta_teacher = teacher_result["privacy"]["delta"]
+    synthetic = tmp_path / "synthetic"
+    first = cli(["synth", str(teacher), "--out", str(synthetic), "--n", "16", "--batch-size", "8",
+                 "--max-new-tokens", "8", "--validation-fraction", "0.25", "--codes", "gaussian",
+                 "--code-epsilon", "0.5", "--code-delta", "1e-6", "--max-chunks", "1"], capsys)
+    assert first["complete"] is False and first["records_on_disk"] == 8
+    summary = cli(["synth", str(teacher), "--out", str(synthetic), "--n", "16", "--batch-size", "8",
+                   "--max-new-tokens", "8", "--validation-fraction", "0.25", "--codes", "gaussian",
+                   "--code-epsilon", "0.5", "--code-delta", "1e-6", "--check-training-copies"], capsys)
+    assert summary["splits"] == {"train": 12, "validation": 4}
+    assert 0 <= summary["exact_duplicate_rate"] < 1 and "training_text_copies" in summary
+    provenance = json.loads((synthetic / "provenance.json").read_text())
+    assert provenance["teacher"]["teacher_run"] == str(teacher.resolve())
+    assert provenance["teacher"]["epsilon"] == eps_teacher and provenance["teacher"]["accountant"] == "rdp"
+    assert provenance["code_distribution"]["mechanism"] == "gaussian"
+    assert provenance["privacy"]["epsilon"] == pytest.approx(eps_teacher + 0.5)
+    assert provenance["privacy"]["delta"] == pytest.approx(delta_teacher + 1e-6)
+
+    recipe = write_recipe(tmp_path / "distill.yaml", name="student", data=SLICE, task=TASK,
+                          privacy={"target_epsilon": 2.5}, train={"batch_size": 4, "max_steps": 3},
+                          distill={"teacher": str(teacher), "synthetic": str(synthetic), "student_layers": [1]})
+    result = cli(["distill", str(recipe), "--out", str(tmp_path / "student")], capsys)
+    run = tmp_path / "student"
+    for name in ("resolved.yaml", "result.json", "student.json", "student_init/config.json", "model/config.json",
+                 "checkpoints/LATEST", "metrics.jsonl"):
+        assert (run / name).exists(), name
+    stored = json.loads((run / "result.json").read_text())
+    assert stored["method"] == "distildp" and stored["kd_lambda"] == 0.4
+    assert stored["privacy"]["epsilon"] == pytest.approx(eps_teacher + 0.5) and stored["privacy"]["inherited"]
+    assert stored["privacy"]["teacher"]["teacher_run"] == str(teacher.resolve())
+    assert stored["privacy"]["code_distribution"]["epsilon"] == 0.5
+    assert stored["student"]["layers"] == [1] and stored["student"]["source"] == "tiny-llama"
+    assert stored["eval_split"] == "test" and 1 < result["metrics"]["perplexity"] < 1e4
+    assert "distill" in (run / "resolved.yaml").read_text()
+
+    zero = cli(["distill", str(recipe), "distill.method=zero_shot", "--out", str(tmp_path / "zero")], capsys)
+    assert zero["privacy_claim"]["epsilon"] == 0 and zero["metrics"]["perplexity"] > 1
+
+
+def test_dpkd_splits_the_budget_and_synthetic_only_is_lambda_zero(teacher, tmp_path, capsys):
+    half = teacher_run(tmp_path, "half", 1.0, delta=0.005)
+    recipe = write_recipe(tmp_path / "dpkd.yaml", name="dpkd", data=SLICE, task=TASK,
+                          privacy={"target_epsilon": 2.0, "delta": 0.01},
+                          train={"batch_size": 12, "max_steps": 2},
+                          distill={"method": "dpkd", "teacher": str(half), "student_layers": [0]})
+    result = cli(["distill", str(recipe), "--out", str(tmp_path / "dpkd")], capsys)
+    claim, privacy = result["privacy_claim"], result["privacy"]
+    teacher_eps = json.loads((half / "result.json").read_text())["privacy"]["epsilon"]["rdp"]["epsilon"]
+    assert claim["student_epsilon"] == pytest.approx(2.0 - teacher_eps) and claim["student_delta"] == pytest.approx(0.005)
+    assert privacy["delta"] == pytest.approx(0.005) and privacy["target_epsilon"] == pytest.approx(2.0 - teacher_eps)
+    assert privacy["epsilon"]["rdp"]["epsilon"] == pytest.approx(2.0 - teacher_eps, rel=1e-3)
+    assert claim["epsilon"] == 2.0 and claim["delta"] == 0.01
+
+    with pytest.raises(SystemExit) as code:  # the synthetic-data methods need synthetic data
+        main(["distill", str(recipe), "distill.method=synthetic_only", "--out", str(tmp_path / "x")])
+    assert code.value.code == 2
