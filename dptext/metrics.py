@@ -85,3 +85,78 @@ def perplexity(total_nll: float, total_tokens: int) -> float:
     if total_tokens <= 0:
         raise ValueError("perplexity needs at least one token")
     return math.exp(total_nll / total_tokens)
+
+
+# ---------------------------------------------------------------------------- intent classification + slot filling
+
+def bio_spans(tags: Sequence[str]) -> list[tuple[str, int, int]]:
+    """(type, start, end) slot spans of one BIO tag sequence, end exclusive, as conlleval reads them.
+
+    A span starts at ``B-X``, or at ``I-X`` that does not continue a span of type X (conlleval's rule for
+    an I- after O or after another type); it ends before the next O, B- or I- of another type."""
+    spans, start, kind = [], None, None
+    for position, tag in enumerate(list(tags) + ["O"]):
+        prefix, _, label = tag.partition("-")
+        continues = prefix == "I" and kind == label
+        if start is not None and not continues:
+            spans.append((kind, start, position))
+            start, kind = None, None
+        if prefix in ("B", "I") and not continues:
+            start, kind = position, label
+    return spans
+
+
+def slot_f1(predicted: Sequence[Sequence[str]], reference: Sequence[Sequence[str]]) -> float:
+    """Span-level micro F1 over the corpus (conlleval): a slot counts only with its exact type and boundaries."""
+    if len(predicted) != len(reference):
+        raise ValueError(f"{len(predicted)} predicted tag sequences but {len(reference)} references")
+    correct = found = expected = 0
+    for hyp, ref in zip(predicted, reference):
+        hyp_spans, ref_spans = Counter(bio_spans(hyp)), Counter(bio_spans(ref))
+        correct += sum((hyp_spans & ref_spans).values())
+        found += sum(hyp_spans.values())
+        expected += sum(ref_spans.values())
+    if correct == 0:
+        return 0.0 if found or expected else 100.0  # nothing to find and nothing found: perfect
+    precision, recall = correct / found, correct / expected
+    return 100.0 * 2 * precision * recall / (precision + recall)
+
+
+def slot_values(tokens: Sequence[str], tags: Sequence[str]) -> list[tuple[str, str]]:
+    """The (slot type, value) pairs of one utterance, the value being the span's words joined by spaces."""
+    return [(kind, " ".join(tokens[start:end])) for kind, start, end in bio_spans(tags)]
+
+
+def semantic_errors(predicted_intent: str, reference_intent: str, predicted_slots: Sequence[tuple[str, str]],
+                    reference_slots: Sequence[tuple[str, str]]) -> tuple[int, int]:
+    """(errors, reference items) of one utterance, the intent counted as one more item.
+
+    Slots are matched as a multiset of (type, value) pairs. Of the unmatched ones, a reference and a
+    predicted slot of the same type pair up as one substitution (right type, wrong value); the rest are
+    deletions (reference slots left over) or insertions (predicted slots left over). A wrong intent is one
+    substitution."""
+    hyp, ref = Counter(predicted_slots), Counter(reference_slots)
+    matched = hyp & ref
+    hyp_left, ref_left = hyp - matched, ref - matched
+    hyp_types, ref_types = Counter(t for t, _ in hyp_left.elements()), Counter(t for t, _ in ref_left.elements())
+    substitutions = sum((hyp_types & ref_types).values())
+    deletions = sum(ref_left.values()) - substitutions
+    insertions = sum(hyp_left.values()) - substitutions
+    errors = substitutions + deletions + insertions + int(predicted_intent != reference_intent)
+    return errors, sum(ref.values()) + 1
+
+
+def semantic_error_rate(predicted_intents: Sequence[str], reference_intents: Sequence[str],
+                        predicted_slots: Sequence[Sequence[tuple[str, str]]],
+                        reference_slots: Sequence[Sequence[tuple[str, str]]]) -> float:
+    """SER in percent: Σ (slot S + D + I + intent errors) / Σ (reference slots + 1), over the whole corpus."""
+    sizes = {len(predicted_intents), len(reference_intents), len(predicted_slots), len(reference_slots)}
+    if len(sizes) != 1:
+        raise ValueError("predicted and reference intents and slots must have one entry per utterance")
+    errors = items = 0
+    for hyp_intent, ref_intent, hyp, ref in zip(predicted_intents, reference_intents, predicted_slots,
+                                                 reference_slots):
+        utterance_errors, utterance_items = semantic_errors(hyp_intent, ref_intent, hyp, ref)
+        errors += utterance_errors
+        items += utterance_items
+    return 100.0 * errors / items if items else 0.0

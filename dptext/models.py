@@ -200,9 +200,16 @@ def _auto_class(head: str):
     return classes[head]
 
 
+CLC_MODELS = ("clc", "tiny-clc")  # bi-LSTM + char-CNN of Dupuy et al. (task.type=intent_slot): dptext.tasks.clc
+
+
 def load_tokenizer(name: str):
     """The tokenizer of ``name``, with a pad token set (GPT-2 style models have none)."""
     _quiet_transformers()
+    if name in CLC_MODELS:  # word and character vocabularies, filled from the training split by the task
+        from dptext.tasks.clc import WordTokenizer
+
+        return WordTokenizer()
     if name in TINY_MODELS:
         return tiny_tokenizer(name)
     from transformers import AutoTokenizer
@@ -226,6 +233,9 @@ def load_model(name: str, head: str = "causal_lm", num_labels: int | None = None
     """
     import torch
 
+    if name in CLC_MODELS:
+        raise UserError(f"'{name}' (bi-LSTM + char-CNN) is built by task.type=intent_slot from its training "
+                        "vocabulary; use it with that task, or pick a transformer model.")
     _quiet_transformers()
     dtype = dtype or torch.float32
     auto = _auto_class(head)

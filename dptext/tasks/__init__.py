@@ -10,6 +10,7 @@ table_to_text      causal LM                    BLEU, ROUGE-L (beam search), per
 dialog             causal LM                    token F1, perplexity
 classification     sequence classification      accuracy
 infilling          masked LM (template + words) accuracy
+intent_slot        encoder + intent/slot heads  SER, intent accuracy, slot F1 (CRF optional)
 =================  ===========================  =========================================
 
 ``text_format`` turns records into model text; ``encoding`` tokenises with loss masks;
@@ -26,6 +27,7 @@ from dptext.errors import UserError
 def build_task(recipe: Any, tokenizer: Any, train_records: Sequence[dict[str, Any]]):
     from dptext.tasks.classification import ClassificationTask
     from dptext.tasks.infilling import InfillingTask
+    from dptext.tasks.intent_slot import IntentSlotTask
     from dptext.tasks.language_modeling import DialogTask, LanguageModelingTask, TableToTextTask
 
     kind = recipe.task.type
@@ -39,6 +41,7 @@ def build_task(recipe: Any, tokenizer: Any, train_records: Sequence[dict[str, An
         return ClassificationTask(recipe, tokenizer, train_records)
     if kind == "infilling":
         return InfillingTask(recipe, tokenizer, train_records)
-    raise UserError(f"task.type '{kind}' is not available in this version of dptext (joint intent and slot "
-                    "models arrive with eDP-SGD); choose language_modeling, table_to_text, dialog, "
-                    "classification or infilling.")
+    if kind == "intent_slot":
+        return IntentSlotTask(recipe, tokenizer, train_records)
+    raise UserError(f"task.type '{kind}' is unknown; choose language_modeling, table_to_text, dialog, "
+                    "classification, infilling or intent_slot.")

@@ -1,0 +1,76 @@
+"""The CLC model (char CNN + word embedding + bi-LSTM): its LSTM against nn.LSTM, and the privacy engine's
+clipped sums for the whole joint CLC model (+ CRF) against brute-force per-example autograd in every mode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dptext import config
+from dptext.privacy import PrivacyEngine
+from dptext.tasks import build_task
+from dptext.tasks.clc import BiLSTM, WordTokenizer
+
+MODES = ("bookkeeping", "ghost", "per_sample")
+
+
+def test_bilstm_equals_torch_lstm_on_each_example_alone():
+    torch.manual_seed(0)
+    ours = BiLSTM(5, 4)
+    reference = nn.LSTM(5, 4, batch_first=True, bidirectional=True)
+    with torch.no_grad():
+        for direction, suffix in ((0, ""), (1, "_reverse")):
+            getattr(reference, f"weight_ih_l0{suffix}").copy_(ours.weight_ih[direction])
+            getattr(reference, f"weight_hh_l0{suffix}").copy_(ours.weight_hh[direction])
+            getattr(reference, f"bias_ih_l0{suffix}").copy_(ours.bias[direction])
+            getattr(reference, f"bias_hh_l0{suffix}").zero_()
+    x, lengths = torch.randn(3, 6, 5), [6, 4, 1]
+    mask = (torch.arange(6) < torch.tensor(lengths).unsqueeze(1)).long()
+    out = ours(x, mask)
+    for row, length in enumerate(lengths):
+        expected, _ = reference(x[row:row + 1, :length])
+        torch.testing.assert_close(out[row, :length], expected[0], rtol=1e-5, atol=1e-6)
+        assert out[row, length:].abs().sum() == 0  # padding positions are zero
+
+
+RECORDS = [
+    {"tokens": ["fly", "to", "boston"], "tags": ["O", "O", "B-toloc"], "intent": "flight"},
+    {"tokens": ["cheapest", "fare", "from", "new", "york"], "tags": ["B-cost", "O", "O", "B-from", "I-from"],
+     "intent": "airfare"},
+    {"tokens": ["list", "airlines"], "tags": ["O", "O"], "intent": "airline"},
+    {"tokens": ["to", "denver", "tomorrow"], "tags": ["O", "B-toloc", "B-date"], "intent": "flight"},
+    {"tokens": ["xyzzy"], "tags": ["O"], "intent": "airline"},
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_clc_joint_model_clips_like_per_example_autograd(mode):
+    recipe = config.load_recipe(None, ["task.type=intent_slot", "data.dataset=atis", "model.name=tiny-clc",
+                                       "task.crf=true", "task.pooling=mean"])
+    task = build_task(recipe, WordTokenizer(), RECORDS[:4])  # "xyzzy" is out of vocabulary: <unk> word and chars
+    model = task.load_model().eval()  # no dropout: the engine's forward and the brute force must agree
+    batch = task.collate(task.encode(RECORDS))
+    assert batch["char_ids"].shape[:2] == batch["input_ids"].shape
+    reference, clip = copy.deepcopy(model), 1.0
+    names = [n for n, p in reference.named_parameters() if p.requires_grad]
+    params = [p for p in reference.parameters() if p.requires_grad]
+    rows = []
+    for i in range(len(RECORDS)):
+        one = {k: v[i:i + 1] for k, v in batch.items()}
+        one = {k: v[:, :int(one["attention_mask"].sum())] if v.ndim > 1 else v for k, v in one.items()}
+        grads = torch.autograd.grad(task.per_example_loss(reference, one).sum(), params, allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+    norms = torch.stack([torch.stack([g.pow(2).sum() for g in row]).sum().sqrt() for row in rows])
+    coef = (clip / (norms + 1e-6)).clamp(max=1)
+    expected = {n: sum(c * row[k] for c, row in zip(coef, rows)) for k, n in enumerate(names)}
+
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+                           max_grad_norm=clip, expected_batch_size=5, dataset_size=50, clipping_mode=mode)
+    torch.testing.assert_close(engine.accumulate(task.per_example_loss(model, batch)), norms, rtol=1e-4, atol=1e-5)
+    got = engine.clipped_grads()
+    errors = {n: float((got[p] - expected[n]).abs().max()) for n, p in model.named_parameters() if n in expected}
+    assert len(errors) == len(expected) and all(e < 1e-4 for e in errors.values()), errors
+    assert any(n.startswith("encoder.lstm.") for n in errors) and "classifier.crf.transitions" in errors
