@@ -236,7 +236,8 @@ def test_torchrun_finetune_writes_one_run_and_resumes(shared_data, tmp_path, cap
         f"data: {{dataset: sst2, path: {shared_data / 'sst2'}, max_train_examples: 40, max_eval_examples: 8, "
         "max_length: 48}\ntask: {type: classification}\neval: {split: validation}\n"
         "train: {batch_size: 10, max_steps: 6, log_every: 1, checkpoint_every: 2, learning_rate: 0.001}\n"
-        "privacy: {target_epsilon: 8, method: edp_sgd, noise_decay: linear, noise_decay_rate: 0.5}\n")
+        "privacy: {target_epsilon: 8, method: edp_sgd, noise_decay: linear, noise_decay_rate: 0.5, "
+        "edp_scaling: first_step, edp_public_examples: 6}\n")
     run = tmp_path / "run"
     _torchrun(str(recipe), "--out", str(run), "--json", cwd=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "tiny.yaml"]  # one run directory, nothing else
@@ -246,6 +247,7 @@ def test_torchrun_finetune_writes_one_run_and_resumes(shared_data, tmp_path, cap
     privacy = result["privacy"]
     assert privacy["mechanism"]["processes"] == 2 and privacy["mechanism"]["sensitivity_factor"] == 2
     ledger = json.loads((run / "ledger.json").read_text())
+    assert ledger["mechanism"]["scaling_leaks"] and "NOT covered" in privacy["mechanism"]["guarantee"]
     assert ledger["steps"] == 6 and len(ledger["runs"]) == 2  # q = 1/4: epochs of 4 steps, σ decays after 4
     assert ledger["runs"][1]["noise_multiplier"] == pytest.approx(ledger["runs"][0]["noise_multiplier"] / 1.5)
     capsys.readouterr()

@@ -47,10 +47,12 @@ def render_result(output, result: dict) -> None:
                 value = f"{eps['epsilon']:.4g} [{eps['lower']:.4g}, {eps['upper']:.4g}]"
             rows.append([label, value, None])
         mechanism = privacy.get("mechanism", {})
+        if "guarantee" in mechanism:
+            rows.append([f"guarantee ({mechanism['method']}, {mechanism['processes']} process(es))",
+                         mechanism["guarantee"], None])
         if mechanism.get("method") == "edp_sgd":
             leaks = " (LEAKS: measured on private data)" if mechanism["scaling_leaks"] else ""
-            rows += [["guarantee (eDP-SGD)", mechanism["guarantee"], None],
-                     ["z₀ (noise std / C, scaled space)", mechanism["z0"], None],
+            rows += [["z₀ (noise std / C, scaled space)", mechanism["z0"], None],
                      ["noise decay", mechanism["noise_schedule"], None],
                      ["scaling α", mechanism["scaling"] + leaks, None]]
         rows += [["δ", privacy["delta"], None], ["σ (noise multiplier)", privacy["noise_multiplier"], None],

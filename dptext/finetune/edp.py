@@ -87,8 +87,11 @@ def build_edp(training: Any, dist: Any) -> None:
     factor = sensitivity_factor(world * privacy.edp_micro_batches_per_device, n)
     schedule = noise_schedule(privacy)
     sigma0 = accounting_sigma(recipe, plan, factor, schedule)
-    alphas = None if privacy.edp_scaling == "uniform" else mean_gradient_alphas(
-        training, scaling_examples(recipe, training))
+    alphas = None
+    if privacy.edp_scaling != "uniform":
+        alphas = mean_gradient_alphas(training, scaling_examples(recipe, training))
+        if dist is not None:  # every rank must scale alike; rank 0's measurement is the one used
+            alphas = dict(zip(alphas, dist.broadcast(list(alphas.values()))))
     training.noise_multiplier = sigma0
     training.ledger = PrivacyLedger(delta=privacy.delta, dataset_size=n, accountant=privacy.accountant)
     training.engine = EDPEngine(

@@ -5,6 +5,9 @@ metrics.jsonl as it trains, checkpoints and ledger.json, the trained model in ``
 finally result.json. ``resume=RUN_DIR`` reopens such a directory and continues from its newest
 complete checkpoint with the same recipe, the same samples, the same noise and the same privacy
 account.
+
+Under ``torchrun`` (see ``dptext.privacy.distributed``) every rank calls this; rank 0 alone writes the run
+directory, evaluates and returns the result, the others return ``{"follower": True, "rank": r, "run_dir": ...}``.
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ class PrivacyEngine:
         """What the guarantee is about: its unit, the sensitivity, where the noise is added."""
         processes = self.distributed.world_size if self.distributed else 1
         return {"method": "dp_sgd", "unit": "example", "sensitivity": self.max_grad_norm,
-                "guarantee": "example-level (ε, δ): adding or removing one training example (clipped to C)",
+                "guarantee": "example-level (ε, δ); clipping unit: one example, sensitivity C",
                 "processes": processes, "noise": "N(0, σ²C²) once per step" + (" on rank 0" if processes > 1 else "")}
 
     def state_dict(self) -> dict[str, Any]:
