@@ -165,6 +165,28 @@ def test_shards_are_fixed_by_index_and_cover_the_data(two_ranks):
     assert two_ranks[0]["shard"] == list(range(0, N, 2)) and two_ranks[1]["shard"] == list(range(1, N, 2))
 
 
+def test_ranks_poisson_sample_their_shards_independently_at_the_global_rate():
+    from dptext.privacy.distributed import DistributedContext
+    from dptext.privacy.sampler import make_sampler
+
+    n, q, steps = 50, 0.3, 2000
+    draws = []
+    for rank in range(2):  # no process group needed: sampling is local to each rank
+        ctx = DistributedContext(rank=rank, world_size=2)
+        taken = torch.zeros(steps, n)
+        for step, batch in enumerate(make_sampler(n, q, steps, seed=0, distributed=ctx)):
+            assert all(i % 2 == rank for i in batch)
+            taken[step, batch] = 1
+        draws.append(taken)
+    union = draws[0] + draws[1]
+    assert union.max() == 1  # the shards are disjoint
+    # each example joins with rate q (binomial sd 0.010; 0.06 is 6 sd) ...
+    assert (union.mean(dim=0) - q).abs().max() < 0.06
+    # ... independently of the other rank's examples (same generators would give correlation 1; sd here ≈ 0.005)
+    pairs = torch.stack([draws[0][:, 0::2].flatten(), draws[1][:, 1::2].flatten()])
+    assert abs(torch.corrcoef(pairs)[0, 1].item()) < 0.05
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_all_reduced_clipped_sum_equals_single_process(two_ranks, mode):
     single = dp_clipped_sum(mode)
