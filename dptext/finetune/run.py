@@ -12,6 +12,7 @@ directory, evaluates and returns the result, the others return ``{"follower": Tr
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,8 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         run = RunDir.open(resume)
         finished = run.load_result()
         if finished is not None:
+            if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports it
+                return {"follower": True, "rank": int(os.environ["RANK"]), "run_dir": str(run.path)}
             output.info(f"Run {run.path} already finished; its result is below.")
             return finished
         recipe = run.recipe()
