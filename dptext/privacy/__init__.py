@@ -9,6 +9,7 @@ import importlib
 
 _EXPORTS = {
     "PrivacyEngine": "dptext.privacy.engine",
+    "EDPEngine": "dptext.privacy.edp",
     "DPOptimizer": "dptext.privacy.optimizer",
     "PoissonSampler": "dptext.privacy.sampler",
     "ShuffleSampler": "dptext.privacy.sampler",
