@@ -86,8 +86,9 @@ def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, t
     records = [json.loads(line) for text in read(tmp_path / "straight").values() for line in text.splitlines()]
     assert sorted(r["index"] for r in records) == list(range(10))  # none lost, none twice
     assert all(r["code"] == f"Category: {r['category']} || Rating: {r['rating']}" for r in records)
+    partial = synthesize(teacher, tmp_path / "other", **settings, max_chunks=1)
+    assert partial["complete"] is False and partial["records_on_disk"] == 3
     with pytest.raises(UserError):  # other settings cannot continue this folder
-        synthesize(teacher, tmp_path / "other", **settings, max_chunks=1)
         synthesize(teacher, tmp_path / "other", **{**settings, "max_new_tokens": 7})
 
 

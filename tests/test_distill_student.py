@@ -71,3 +71,37 @@ def test_build_student_saves_a_loadable_folder(tmp_path):
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     for (name, a), (_, b) in zip(reloaded.state_dict().items(), model.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_hidden_state_term_needs_matching_sizes():
+    from dptext import config
+    from dptext.distill.task import DistillationTask
+
+    teacher, tokenizer = load_model("tiny-llama", head="causal_lm")
+    wider, _ = load_model("tiny-llama", head="causal_lm", hidden_size=64, intermediate_size=128)
+    recipe = config.load_recipe(None, ["distill.hidden_alpha=0.4"])
+    task = DistillationTask(recipe, tokenizer, teacher)
+    task.check_hidden_sizes(layer_subset(teacher, [0]))  # same width: fine
+    with pytest.raises(UserError):
+        task.check_hidden_sizes(wider)
+
+
+def test_distillation_task_against_itself_is_scaled_cross_entropy():
+    """A student identical to its teacher has KL = 0 and MSE = 0: the task's loss is (1 − λ)·CE exactly."""
+    from dptext import config
+    from dptext.distill.task import DistillationTask
+    from dptext.tasks.language_modeling import LanguageModelingTask
+
+    teacher, tokenizer = load_model("tiny-llama", head="causal_lm")
+    recipe = config.load_recipe(None, ["distill.kd_lambda=0.4", "distill.hidden_alpha=0.3", "data.max_length=32",
+                                       "task.control_codes=[category, rating]"])
+    records = [{"category": "books", "rating": 5, "text": "A fine read."},
+               {"category": "dvd", "rating": 1, "text": "Dull and far too long, skip it."}]
+    plain = LanguageModelingTask(recipe, tokenizer)
+    batch = plain.collate(plain.encode(records))
+    task = DistillationTask(recipe, tokenizer, teacher)
+    student = layer_subset(teacher, [0, 1])  # an exact copy
+    with torch.no_grad():
+        got = task.per_example_loss(student, batch)
+        want = 0.6 * plain.per_example_loss(teacher, batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

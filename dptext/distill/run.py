@@ -162,6 +162,7 @@ def build_student_training(recipe: Any, run: RunDir) -> Any:
                             "tokenizer (e.g. DistilGPT2 for GPT-2, a layer subset for SmolLM2).")
         teacher_model.to(training.device).eval().requires_grad_(False)
         training.task = DistillationTask(derived, training.tokenizer, teacher_model)
+        training.task.check_hidden_sizes(training.model)
     training.final_records = load_records(recipe.data, recipe.eval.split)  # the real (private-distribution) split
     claim = privacy_claim(recipe, teacher, synthetic, budget, training.plan)
     training.info.update({"method": d.method, "student": description, "privacy_claim": claim,

@@ -22,6 +22,16 @@ class DistillationTask(LanguageModelingTask):
         self.temperature = recipe.distill.temperature
         self.hidden_alpha = recipe.distill.hidden_alpha
 
+    def check_hidden_sizes(self, student: Any) -> None:
+        """The MSE term compares last hidden states, so their sizes must match (GPT-2 → DistilGPT2: 768 = 768)."""
+        from dptext.errors import UserError
+
+        sizes = [getattr(m.config, "hidden_size", None) or getattr(m.config, "n_embd", None)
+                 for m in (self.teacher, student)]
+        if self.hidden_alpha > 0 and sizes[0] != sizes[1]:
+            raise UserError(f"distill.hidden_alpha > 0 needs equal hidden sizes, but the teacher has {sizes[0]} and "
+                            f"the student {sizes[1]}; set distill.hidden_alpha=0 or pick a matching student.")
+
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
         import torch
 
