@@ -100,6 +100,19 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(_jsonable(data), indent=2) + "\n")
 
 
+def atomic_write_png(path: str | Path, figure: Any) -> Path:
+    """Save a matplotlib figure as a PNG atomically, then close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    atomic_write(path, lambda handle: handle.write(buffer.getvalue()), binary=True)
+    return Path(path)
+
+
 def git_revision(directory: Path | None = None) -> str:
     """The git commit of the dptext source tree (with '+dirty' when modified), or 'unknown'."""
     directory = directory or Path(__file__).resolve().parent

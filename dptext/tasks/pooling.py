@@ -43,3 +43,14 @@ class MeanPoolingClassifier(nn.Module):
         self.encoder.save_pretrained(path)
         torch.save({"classifier": self.classifier.state_dict(), "num_labels": self.classifier.out_features},
                    Path(path) / HEAD_FILE)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "MeanPoolingClassifier":
+        """Reload what ``save_pretrained`` wrote: the encoder folder plus ``mean_pooling_head.pt``."""
+        from dptext.models import load_model
+
+        head = torch.load(Path(path) / HEAD_FILE, map_location="cpu", weights_only=True)
+        encoder, _ = load_model(str(path), head="base")
+        model = cls(encoder, int(head["num_labels"]))
+        model.classifier.load_state_dict(head["classifier"])
+        return model.eval()

@@ -1,0 +1,11 @@
+"""Privacy auditing (SPEC §7): membership inference and canary exposure against fine-tuned runs.
+
+metrics       AUC, TPR at FPR, ROC, empirical ε lower bound (pure functions over score arrays)
+exposure      canary exposure from a rank or a distribution fit (pure)
+bookkeeping   the member / non-member / public split and canaries that ``finetune`` records
+canaries      canary secrets and their training records
+scoring       what an attacker observes of a model on a record
+attack_models loss-threshold, shadow-model (logistic regression) and offline LiRA attacks
+references    shadow / reference models trained with the target's recipe on its public pool
+audit         ``run_mia``: audits of run directories; canary_audit: ``canary_exposure``
+"""

@@ -1,0 +1,123 @@
+"""Member / non-member bookkeeping: what ``finetune`` sets aside and writes for ``dptext mia`` (SPEC §7).
+
+Before training, ``split_for_audit`` permutes the training split with ``audit.seed`` and cuts it into
+non-members (``holdout_fraction`` / ``holdout_examples``), a public pool (``public_examples``, for shadow and
+reference models) and members (the rest), then appends the canaries. The run trains on members + canaries
+only, so its n, q = B/n and δ = 1/(2n) are those of the data actually trained on.
+
+The run directory then holds, written atomically::
+
+    audit/members.jsonl      {"index": i, "record": {...}} for every training record of the data split
+    audit/nonmembers.jsonl   the held-out records, same format
+    audit/public.jsonl       the public pool, same format
+    audit/canaries.json      prefix, vocabulary, secrets and repetition counts
+    audit/split.json         sizes, seed and the n trained on
+
+These files contain the training records themselves: the run directory is then as private as the data.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dptext.errors import UserError
+
+AUDIT_DIR = "audit"
+FILES = {"members": "members.jsonl", "nonmembers": "nonmembers.jsonl", "public": "public.jsonl"}
+CANARIES = "canaries.json"
+SPLIT = "split.json"
+
+
+@dataclass
+class AuditSplit:
+    members: list = field(default_factory=list)  # (index in the training split, record)
+    nonmembers: list = field(default_factory=list)
+    public: list = field(default_factory=list)
+    canaries: dict | None = None
+    seed: int = 0
+
+    def training_records(self, task_type: str, control_codes: list) -> list[dict[str, Any]]:
+        from dptext.attacks.canaries import canary_record
+
+        records = [record for _, record in self.members]
+        for canary in (self.canaries or {}).get("canaries", []):
+            record = canary_record(task_type, self.canaries["prefix"], canary["secret"], control_codes)
+            records += [dict(record) for _ in range(canary["repetitions"])]
+        return records
+
+
+def audit_requested(audit: Any) -> bool:
+    return bool(audit.holdout_fraction or audit.holdout_examples or audit.public_examples or audit.canaries
+                or audit.train_indices)
+
+
+def split_for_audit(recipe: Any, train: list[dict[str, Any]]) -> AuditSplit:
+    """The seeded partition of ``train`` that ``recipe.audit`` asks for (see the module docs)."""
+    audit = recipe.audit
+    n = len(train)
+    if audit.train_indices:
+        bad = [i for i in audit.train_indices if not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise UserError(f"audit.train_indices has {len(bad)} entries outside the training split of {n} records; "
+                            "they must be indices of the same data.")
+        chosen = set(audit.train_indices)
+        return AuditSplit(members=[(i, train[i]) for i in sorted(chosen)], seed=audit.seed)
+    if not 0 <= audit.holdout_fraction < 1:
+        raise UserError(f"audit.holdout_fraction={audit.holdout_fraction} must lie in [0, 1).")
+    held = audit.holdout_examples if audit.holdout_examples is not None else int(round(audit.holdout_fraction * n))
+    if held < 0 or audit.public_examples < 0 or held + audit.public_examples >= n:
+        raise UserError(f"audit holds out {held} non-members and {audit.public_examples} public records from a "
+                        f"training split of {n}; leave some to train on (raise data.max_train_examples).")
+    order = list(range(n))
+    random.Random(f"audit-split-{audit.seed}").shuffle(order)
+    cut = held + audit.public_examples
+    split = AuditSplit(nonmembers=[(i, train[i]) for i in sorted(order[:held])],
+                       public=[(i, train[i]) for i in sorted(order[held:cut])],
+                       members=[(i, train[i]) for i in sorted(order[cut:])], seed=audit.seed)
+    if audit.canaries:
+        from dptext.attacks.canaries import canary_record, make_canaries
+
+        canary_record(recipe.task.type, "", "")  # refuses classification before anything is drawn
+        split.canaries = make_canaries(audit)
+    return split
+
+
+def _jsonl(rows: list) -> str:
+    return "".join(json.dumps({"index": i, "record": r}, ensure_ascii=False) + "\n" for i, r in rows)
+
+
+def write_audit(run_path: str | Path, split: AuditSplit, trained_on: int) -> Path:
+    """Write the audit folder in one atomic rename (a reader sees all of it or none)."""
+    from dptext.runs import atomic_directory
+
+    target = Path(run_path) / AUDIT_DIR
+    with atomic_directory(target) as staging:
+        for name, filename in FILES.items():
+            (staging / filename).write_text(_jsonl(getattr(split, name)), encoding="utf-8")
+        if split.canaries is not None:
+            (staging / CANARIES).write_text(json.dumps(split.canaries, indent=2), encoding="utf-8")
+        sizes = {name: len(getattr(split, name)) for name in FILES}
+        (staging / SPLIT).write_text(json.dumps({**sizes, "seed": split.seed, "trained_on": trained_on}, indent=2),
+                                     encoding="utf-8")
+    return target
+
+
+def read_records(run_path: str | Path, name: str) -> list[dict[str, Any]]:
+    """``members``, ``nonmembers`` or ``public`` rows ({"index", "record"}) of a run's audit folder."""
+    path = Path(run_path) / AUDIT_DIR / FILES[name]
+    if not path.is_file():
+        raise UserError(f"'{run_path}' has no {AUDIT_DIR}/{FILES[name]}; fine-tune with an audit section "
+                        "(e.g. audit.holdout_fraction=0.2) to audit a run.")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def read_canaries(run_path: str | Path) -> dict[str, Any]:
+    path = Path(run_path) / AUDIT_DIR / CANARIES
+    if not path.is_file():
+        raise UserError(f"'{run_path}' has no canaries; fine-tune with audit.canaries=K (a language-model task) "
+                        "to measure exposure.")
+    return json.loads(path.read_text(encoding="utf-8"))
