@@ -202,9 +202,16 @@ def markdown(report: dict) -> str:
         timing = fmt(row["epoch_s"], ".0f") if not row["failed"] else f"failed: {row['failed'][:60]}"
         lines.append(f"| {row['dataset']} | {row['method']} | {row['processes']} | {timing} | "
                      f"{fmt(row['vs_nonprivate'], '.2f')} | {eps} | {fmt(row.get('ser'), '.2f')} |")
-    lines.append(f"\nB = {report['batch']}, steps 2..{report['steps']} timed, {report['repeats']} repeat(s), "
-                 f"{report['cpus']} CPUs, {report['threads_per_process']} thread(s) per process; 1-min load average before/after each run: "
-                 f"{', '.join(l.split()[0] for l in report['load_average_1_5_15'])}")
+    one_minute = sorted(float(entry.split()[0]) for entry in report["load_average_1_5_15"])
+    lines.append(f"\nTiming runs: B = {report['batch']}, steps 2..{report['steps']} timed, {report['repeats']} "
+                 f"repeat(s) interleaved, {report['cpus']} CPUs, {report['threads_per_process']} thread(s) per process; "
+                 f"1-min load average around the runs: min {one_minute[0]:.1f}, median "
+                 f"{statistics.median(one_minute):.1f}, max {one_minute[-1]:.1f}.")
+    sizes = sorted({row["n"] for row in report["rows"] if row.get("n")})
+    if sizes:
+        lines.append(f"SER comes from the full runs given with --ser-runs (trained on n = "
+                     f"{', '.join(map(str, sizes))} examples), not from the timing runs; per_sample, ghost and "
+                     "bookkeeping compute the same clipped sums, so they share the DP-SGD run's SER.")
     return "\n".join(lines)
 
 

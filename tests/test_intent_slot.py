@@ -130,8 +130,10 @@ def finetune(tmp_path, shared_data, capsys, recipe: str, *extra: str) -> dict:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("recipe,extra", [("atis-dpsgd", ()), ("atis-dpsgd", ("task.crf=true",)),
-                                          ("atis-edp", ("task.crf=true",)), ("atis-nonprivate", ())])
+@pytest.mark.parametrize("recipe,extra", [
+    ("atis-dpsgd", ()), ("atis-dpsgd", ("task.crf=true",)), ("atis-nonprivate", ()),
+    ("atis-edp", ("task.crf=true", "privacy.edp_micro_batches_per_device=2")),
+])
 def test_finetune_cli_on_atis_writes_run_and_scores(recipe, extra, tmp_path, shared_data, capsys, monkeypatch):
     from pathlib import Path
 
