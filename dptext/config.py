@@ -43,7 +43,8 @@ def section(cls: type, text: str) -> Any:
 @dataclass
 class ModelConfig:
     name: str = doc("smollm2-135m", "Hub name (gpt2, roberta-base), local folder, or offline alias "
-                    "(smollm2-135m, minilm-l6, tiny-gpt2, tiny-llama, tiny-bert, tiny-roberta).")
+                    "(smollm2-135m, minilm-l6, tiny-gpt2, tiny-llama, tiny-bert, tiny-roberta; clc, tiny-clc: "
+                    "the bi-LSTM of task.type=intent_slot).")
     adaptation: Literal["full", "lora", "bias", "top_n", "retrain"] = doc(
         "full", "Which parameters train: all (full), LoRA adapters, biases only, the top N layers, or all from a "
         "random initialisation (retrain), as in Li et al. Table 2.")
