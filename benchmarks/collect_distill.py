@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-ROWS = [("teacher-eps2", "teacher (DP-SGD)"), ("teacher-eps1", "DPKD teacher (DP-SGD)"),
+ROWS = [("pretrained", "pretrained teacher model, no training"), ("teacher-eps2", "teacher (DP-SGD)"),
+        ("teacher-eps1", "DPKD teacher (DP-SGD)"),
         ("zero_shot", "zero-shot student"), ("dp_sgd", "DP-SGD student"), ("dpkd", "DPKD student"),
         ("synthetic_only", "DP synthetic data only (λ=0)"), ("distildp", "DistilDP (λ=0.4, t=1)")]
 

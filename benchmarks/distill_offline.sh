@@ -2,7 +2,7 @@
 # DistilDP offline comparison (what `make distill-offline` runs): teacher -> synth -> distill, and the baselines,
 # on Amazon multi-domain reviews with SmolLM2-135M, then the table (benchmarks/collect_distill.py).
 # Two chains run side by side: [teacher ε=2 -> synth -> DistilDP -> synthetic-only] and
-# [zero-shot student -> DP-SGD student (-> DPKD: teacher ε=1 -> DP-SGD on the KD loss, when DPKD=1)].
+# [zero-shot student -> pretrained SmolLM2 (all 30 layers, untrained) -> DP-SGD student (-> DPKD: teacher ε=1 -> DP-SGD on the KD loss, when DPKD=1)].
 # Usage: benchmarks/distill_offline.sh RUNS_DIR DATA_DIR     (env: N_SYNTH, MAX_NEW_TOKENS, DPKD, BIN)
 set -euo pipefail
 RUNS=${1:-runs/distill-offline}
@@ -41,6 +41,8 @@ teacher_chain() {
 baseline_chain() {
     step zero_shot $BIN/dptext distill recipes/amazon-distill.yaml data.path="$DATA" distill.method=zero_shot \
         name=amazon-distill-zero-shot --out "$RUNS/zero_shot"
+    step pretrained $BIN/dptext distill recipes/amazon-distill.yaml data.path="$DATA" distill.method=zero_shot \
+        "distill.student_layers=[]" name=amazon-pretrained --out "$RUNS/pretrained"
     step dp_sgd $BIN/dptext distill $(recipe_args "recipes/amazon-distill-dpsgd.yaml data.path=$DATA" dp_sgd) \
         $(resume_or_out dp_sgd)
     if [ "$DPKD" = 1 ]; then
