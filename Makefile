@@ -66,7 +66,7 @@ bench-nlu: setup
 # canaries, non-private / ε=8 / ε=1, loss attack + canary exposure for all, shadow + LiRA for the non-private run.
 audit-demo: setup
 	$(BIN)/python benchmarks/audit_demo.py --out $(RUNS)/audit-demo --data $(E2E_DATA) --hidden 96 --layers 2 \
-	    --members 300 --epochs 25 --jobs 2 --references 2 --shadow-variants nonprivate
+	    --members 200 --epochs 60 --jobs 3 --references 2 --shadow-variants nonprivate
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

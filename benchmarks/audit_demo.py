@@ -15,7 +15,7 @@ thread (on a busy 2-core machine, oversubscribed threads cost far more than they
 ``--out`` (default runs/audit-demo); a rerun reuses finished runs and references.
 
     python benchmarks/audit_demo.py [--out DIR] [--jobs 2] [--references 2] [--shadow-variants nonprivate]
-                                    [--members 400] [--epochs 30] [--hidden 96 --layers 2]
+                                    [--members 200] [--epochs 60] [--hidden 96 --layers 2]
 """
 
 from __future__ import annotations
@@ -85,14 +85,14 @@ def main() -> None:
     parser.add_argument("--data", default="../shared/data/e2e_nlg")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--references", type=int, default=2)
-    parser.add_argument("--epochs", type=float, default=30)
+    parser.add_argument("--epochs", type=float, default=60)
     parser.add_argument("--hidden", type=int, default=96)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--candidates", type=int, default=2000)
     parser.add_argument("--variants", default="nonprivate,eps8,eps1")
     parser.add_argument("--shadow-variants", default="nonprivate",
                         help="variants that also get reference models (shadow and LiRA attacks)")
-    parser.add_argument("--members", type=int, default=400, help="audit.holdout_examples and members alike")
+    parser.add_argument("--members", type=int, default=200, help="audit.holdout_examples and members alike")
     args = parser.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)

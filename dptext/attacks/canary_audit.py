@@ -4,7 +4,8 @@ Every canary and ``candidates`` secrets drawn uniformly from R (all of R when it
 their log-perplexity under the trained model: the summed loss of the secret's tokens after the prefix (for
 ``language_modeling`` the prefix tokens are in the sum too, but they are the same for every secret, so the
 ranking is that of the secret alone). Exposure per canary as ``dptext.attacks.exposure`` defines it, and its
-mean, min and max per repetition count.
+mean, min and max per repetition count. The fitted exposure is capped at log₂|R| (rank 1); the uncapped
+tail estimate is kept as ``fitted_tail_bits``.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def canary_exposure(run_dir: str | Path, candidates: int = 2000, batch_size: int
         else:
             exposure = sampled_exposure(score, pool_scores, space)
         fit = fitted_exposure(score, pool_scores)
+        # exposure cannot exceed log2|R| (rank 1); a fitted tail beyond that only says "ranked first"
         rows.append({**canary, "log_perplexity_bits": float(score), "exposure_sampled": exposure,
-                     "exposure_fitted": fit["exposure"], "fit": fit["family"]})
+                     "exposure_fitted": min(fit["exposure"], math.log2(space)), "fitted_tail_bits": fit["exposure"],
+                     "fit": fit["family"]})
     groups = []
     for repetitions in sorted({c["repetitions"] for c in rows}):
         members = [r for r in rows if r["repetitions"] == repetitions]
