@@ -248,21 +248,30 @@ def _torchrun(*args: str, cwd: Path) -> str:
     return done.stdout
 
 
-@pytest.mark.integration
-def test_torchrun_finetune_writes_one_run_and_resumes(shared_data, tmp_path, capsys):
-    from dptext.cli.app import main
-
-    recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory):
+    """A 2-process eDP-SGD `dptext finetune` (linear decay, first-step α), checkpointed every 2 of 6 steps."""
+    data = Path(os.environ.get("DPTEXT_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    if not (data / "sst2").is_dir():
+        pytest.skip(f"shared datasets not found at {data} (set DPTEXT_SHARED_DATA)")
+    root = tmp_path_factory.mktemp("torchrun")
+    (root / "tiny.yaml").write_text(
         "name: tiny\nmodel: {name: tiny-bert}\n"
-        f"data: {{dataset: sst2, path: {shared_data / 'sst2'}, max_train_examples: 40, max_eval_examples: 8, "
+        f"data: {{dataset: sst2, path: {data / 'sst2'}, max_train_examples: 40, max_eval_examples: 8, "
         "max_length: 48}\ntask: {type: classification}\neval: {split: validation}\n"
         "train: {batch_size: 10, max_steps: 6, log_every: 1, checkpoint_every: 2, learning_rate: 0.001}\n"
         "privacy: {target_epsilon: 8, method: edp_sgd, noise_decay: linear, noise_decay_rate: 0.5, "
         "edp_scaling: first_step, edp_public_examples: 6}\n")
-    run = tmp_path / "run"
-    _torchrun(str(recipe), "--out", str(run), "--json", cwd=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "tiny.yaml"]  # one run directory, nothing else
+    _torchrun(str(root / "tiny.yaml"), "--out", str(root / "run"), "--json", cwd=root)
+    return root
+
+
+@pytest.mark.integration
+def test_torchrun_finetune_writes_one_run_whose_ledger_matches_dptext_account(torchrun_run, capsys):
+    from dptext.cli.app import main
+
+    run = torchrun_run / "run"
+    assert sorted(p.name for p in torchrun_run.iterdir()) == ["run", "tiny.yaml"]  # one run directory only
     names = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
     assert not [n for n in names if n.split("/")[-1].startswith(".")], names  # no temp files left behind
     result = json.loads((run / "result.json").read_text())
@@ -281,9 +290,12 @@ def test_torchrun_finetune_writes_one_run_and_resumes(shared_data, tmp_path, cap
     assert reported["epsilon"] == pytest.approx(ledger["epsilon"]["rdp"]["epsilon"], rel=1e-12)
     assert reported["epsilon"] == pytest.approx(8.0, rel=1e-3)
 
-    # Resume from the step-4 checkpoint: both ranks continue their own samplers and reach the same weights.
+
+@pytest.mark.integration
+def test_torchrun_resume_continues_every_rank_to_identical_weights(torchrun_run, tmp_path):
+    run = torchrun_run / "run"
     straight = torch.load(run / "checkpoints" / "step-00000006.pt", weights_only=False)
-    resumed = tmp_path / "resumed"
+    resumed = tmp_path / "resumed"  # the same run, as if it had stopped after its step-4 checkpoint
     shutil.copytree(run, resumed)
     (resumed / "result.json").unlink()
     (resumed / "checkpoints" / "step-00000006.pt").unlink()
@@ -291,6 +303,7 @@ def test_torchrun_finetune_writes_one_run_and_resumes(shared_data, tmp_path, cap
     _torchrun("--resume", str(resumed), cwd=tmp_path)
     again = torch.load(resumed / "checkpoints" / "step-00000006.pt", weights_only=False)
     assert all(torch.equal(straight["model"][k], again["model"][k]) for k in straight["model"])
+    ledger = json.loads((run / "ledger.json").read_text())
     assert json.loads((resumed / "ledger.json").read_text())["runs"] == ledger["runs"]
 
 
