@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ser-runs", nargs="*", default=[])
     parser.add_argument("--ser-table", nargs="+", metavar="RUN_DIR",
                         help="only print SER, intent accuracy, slot F1 and ε of these finished runs")
+    parser.add_argument("--merge", help="a saved --json report whose timings this run's repeats add to")
     parser.add_argument("--report", help="re-render a saved --json report (with --ser-runs) instead of timing")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -145,9 +147,19 @@ def main(argv: list[str] | None = None) -> dict:
     times: dict[tuple, list[float]] = {c: [] for c in configs}
     failures: dict[tuple, str] = {}
     loads = [load()]
+    repeats = args.repeats
+    if args.merge:  # earlier repeats of the same configurations (same B and steps)
+        earlier = json.loads(Path(args.merge).read_text())
+        if (earlier["batch"], earlier["steps"]) != (args.batch, args.steps):
+            parser.error("--merge needs a report with the same --batch and --steps")
+        for row in earlier["rows"]:
+            times.setdefault((row["dataset"], row["method"], row["processes"]), []).extend(row["step_s"])
+        loads = earlier["load_average_1_5_15"] + loads
+        repeats += earlier["repeats"]
     with tempfile.TemporaryDirectory(prefix="bench-nlu-") as scratch:
         for repeat in range(args.repeats):
-            order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
+            shift = (repeat + repeats - args.repeats) % len(configs)  # merged repeats keep rotating the order
+            order = configs[shift:] + configs[:shift]
             for config in order:
                 outcome = time_one(*config, args, Path(scratch))
                 if outcome["status"] == "ok":
@@ -157,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"[{repeat + 1}/{args.repeats}] {config}: {outcome}", file=sys.stderr, flush=True)
                 loads.append(load())
     rows = []
+    configs = list(times)
     for dataset, method, processes in configs:
         measured = times[(dataset, method, processes)]
         epoch_s = statistics.mean(measured) * TRAIN_SIZES[dataset] / args.batch if measured else None
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
                     and r["method"] == "nonprivate")
         row["vs_nonprivate"] = row["epoch_s"] / base["epoch_s"] if row["epoch_s"] and base["epoch_s"] else None
     report = {"rows": rows, "load_average_1_5_15": loads, "steps": args.steps, "batch": args.batch,
-              "repeats": args.repeats, "cpus": os.cpu_count(), "threads_per_process": args.threads}
+              "repeats": repeats, "cpus": os.cpu_count(), "threads_per_process": args.threads}
     print(json.dumps(report, indent=1) if args.json else markdown(report))
     return report
 
@@ -203,16 +216,17 @@ def markdown(report: dict) -> str:
         lines.append(f"| {row['dataset']} | {row['method']} | {row['processes']} | {timing} | "
                      f"{fmt(row['vs_nonprivate'], '.2f')} | {eps} | {fmt(row.get('ser'), '.2f')} |")
     one_minute = sorted(float(entry.split()[0]) for entry in report["load_average_1_5_15"])
-    lines.append(f"\nTiming runs: B = {report['batch']}, steps 2..{report['steps']} timed, {report['repeats']} "
+    notes = []
+    notes.append(f"Timing runs: B = {report['batch']}, steps 2..{report['steps']} timed, {report['repeats']} "
                  f"repeat(s) interleaved, {report['cpus']} CPUs, {report['threads_per_process']} thread(s) per process; "
                  f"1-min load average around the runs: min {one_minute[0]:.1f}, median "
                  f"{statistics.median(one_minute):.1f}, max {one_minute[-1]:.1f}.")
     sizes = sorted({row["n"] for row in report["rows"] if row.get("n")})
     if sizes:
-        lines.append(f"SER comes from the full runs given with --ser-runs (trained on n = "
+        notes.append(f"SER comes from the full runs given with --ser-runs (trained on n = "
                      f"{', '.join(map(str, sizes))} examples), not from the timing runs; per_sample, ghost and "
                      "bookkeeping compute the same clipped sums, so they share the DP-SGD run's SER.")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + [part for note in notes for part in textwrap.wrap(note, 116)])
 
 
 if __name__ == "__main__":
