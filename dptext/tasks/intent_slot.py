@@ -41,9 +41,11 @@ class JointIntentSlotModel(nn.Module):
     ``forward`` returns ``(intent_logits (B, I), slot_logits (B, T, K))``. The heads live in one ModuleDict
     named ``classifier`` so that every adaptation method trains them, as it does a classification head."""
 
-    def __init__(self, encoder: nn.Module, num_intents: int, num_tags: int, *, pooling: str = "mean",
+    def __init__(self, encoder: nn.Module, intents: Sequence[str], tags: Sequence[str], *, pooling: str = "mean",
                  crf: bool = False, dropout: float = 0.1):
         super().__init__()
+        self.labels = {"intents": list(intents), "tags": list(tags)}
+        num_intents, num_tags = len(intents), len(tags)
         self.encoder = encoder
         self.config = encoder.config
         self.pooling = pooling
@@ -72,10 +74,11 @@ class JointIntentSlotModel(nn.Module):
         return self.classifier["intent"](self.dropout(pooled)), self.classifier["slot"](self.dropout(states))
 
     def save_pretrained(self, path: str | Path) -> None:
-        """The encoder as a HF folder, plus the heads' weights (``intent_slot_heads.pt``)."""
+        """The encoder as a HF folder, the heads' weights (``intent_slot_heads.pt``) and the label names."""
         self.encoder.save_pretrained(path)
         torch.save({"classifier": self.classifier.state_dict(), "pooling": self.pooling},
                    Path(path) / HEADS_FILE)
+        (Path(path) / LABELS_FILE).write_text(json.dumps(self.labels, indent=1))
 
 
 def word_emissions(slot_logits: torch.Tensor, word_index: torch.Tensor) -> torch.Tensor:
@@ -120,21 +123,8 @@ class IntentSlotTask(Task):
                                     random_init=recipe.model.adaptation == "retrain")
         with torch.random.fork_rng(devices=[]):  # new heads: seeded, whatever ran before
             torch.manual_seed(recipe.train.seed)
-            model = JointIntentSlotModel(encoder, len(self.intents), len(self.tags), pooling=recipe.task.pooling,
-                                         crf=self.use_crf)
-        self._labels_for(model)
-        return model
-
-    def _labels_for(self, model: JointIntentSlotModel) -> None:
-        # save_pretrained writes the label names next to the heads, so a saved model can be read back
-        original = model.save_pretrained
-        intents, tags = self.intents, self.tags
-
-        def save_with_labels(path: str | Path) -> None:
-            original(path)
-            (Path(path) / LABELS_FILE).write_text(json.dumps({"intents": intents, "tags": tags}, indent=1))
-
-        model.save_pretrained = save_with_labels
+            return JointIntentSlotModel(encoder, self.intents, self.tags, pooling=recipe.task.pooling,
+                                        crf=self.use_crf)
 
     # ------------------------------------------------------------------ encoding
 
@@ -148,7 +138,8 @@ class IntentSlotTask(Task):
         examples = []
         for row, record in enumerate(records):
             word_ids = encoded.word_ids(row)
-            first = [pos for pos, word in enumerate(word_ids) if word is not None and word_ids[pos - 1] != word]
+            first = [pos for pos, word in enumerate(word_ids)
+                     if word is not None and (pos == 0 or word_ids[pos - 1] != word)]
             if not first:
                 raise UserError(f"data.max_length={self.max_length} leaves no word of an utterance after the "
                                 "special tokens; raise data.max_length.")
