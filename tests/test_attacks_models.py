@@ -75,6 +75,16 @@ def test_split_partitions_the_training_split_and_is_seeded():
     assert [i for i, _ in chosen.members] == [1, 3, 4] and not chosen.nonmembers
 
 
+@pytest.mark.parametrize("audit", [dict(holdout_fraction=0.2, public_examples=30, canaries=1),
+                                   dict(holdout_examples=7, canaries=3, canary_repetitions=[2, 5]),
+                                   dict(train_indices=[3, 1, 4, 4]), dict(holdout_fraction=0.25)])
+def test_trained_size_counts_what_the_split_trains_on(audit):
+    train = [{"mr": f"m{i}", "ref": f"r{i}"} for i in range(100)]
+    spec = recipe(**audit)
+    records = bookkeeping.split_for_audit(spec, train).training_records("table_to_text", [])
+    assert bookkeeping.trained_size(spec.audit, len(train)) == len(records)
+
+
 def test_split_refuses_impossible_requests():
     train = [{"mr": "m", "ref": "r"}] * 10
     with pytest.raises(UserError, match="leave some to train on"):

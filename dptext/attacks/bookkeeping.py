@@ -55,6 +55,16 @@ def audit_requested(audit: Any) -> bool:
                 or audit.train_indices)
 
 
+def trained_size(audit: Any, split_size: int) -> int:
+    """n that a run with this ``audit`` section trains on, from the size of its training split (for accounting
+    that has no data at hand, e.g. `dptext account --eps` over recipes): members plus every canary copy."""
+    if audit.train_indices:
+        return len(set(audit.train_indices))
+    held = audit.holdout_examples if audit.holdout_examples is not None else int(round(audit.holdout_fraction
+                                                                                      * split_size))
+    return split_size - held - audit.public_examples + audit.canaries * sum(int(r) for r in audit.canary_repetitions)
+
+
 def split_for_audit(recipe: Any, train: list[dict[str, Any]]) -> AuditSplit:
     """The seeded partition of ``train`` that ``recipe.audit`` asks for (see the module docs)."""
     audit = recipe.audit
