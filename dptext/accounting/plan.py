@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dptext.accounting.calibrate import calibrate_noise_multiplier
+from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.accounting.events import (check_sample_rate, check_steps, resolve_delta, sample_rate_for,
                                       steps_for_epochs, steps_per_epoch_for)
 from dptext.errors import UserError
@@ -88,18 +89,37 @@ def _recipe_row(name: str, recipe: Any, target_epsilon: float, delta: float | No
     row: dict[str, Any] = {"recipe": name, "accountant": recipe.privacy.accountant}
     if not recipe.privacy.enabled:
         return {**row, "noise_multiplier": None, "note": "non-private recipe (privacy.enabled: false)"}
+    edp = recipe.privacy.method == "edp_sgd"
     try:
-        plan = plan_for_recipe(recipe, train_size(recipe.data))
+        plan = plan_for_recipe(recipe, _trained_size(recipe, train_size(recipe.data)))
         if delta is not None:
             plan = replace(plan, delta=resolve_delta(delta, None)[0], delta_source="given on the command line")
         calibration = calibrate_noise_multiplier(target_epsilon, plan.delta, plan.sample_rate, plan.steps,
                                                  method=recipe.privacy.accountant,
+                                                 schedule=noise_schedule_for(recipe.privacy) if edp else CONSTANT,
                                                  steps_per_epoch=plan.steps_per_epoch)
     except UserError as exc:
         return {**row, "noise_multiplier": None, "note": str(exc)}
     notes = ["GDP approximation"] if calibration.approximate else []
+    if edp:  # the training run adds noise z_0 = 2σ_0 (sensitivity 2C) unless every micro-batch holds one example
+        notes.append(f"eDP-SGD: σ is the accounted σ_0 of the first epoch ({recipe.privacy.noise_decay} decay); "
+                     f"noise z_0 = 2σ_0 = {2 * calibration.noise_multiplier:.4g}")
     if recipe.privacy.noise_multiplier is not None:
         notes.append(f"the recipe pins σ={recipe.privacy.noise_multiplier:g}, which overrides this")
     return {**row, "dataset_size": plan.dataset_size, "sample_rate": plan.sample_rate, "steps": plan.steps,
             "delta": plan.delta, "delta_source": plan.delta_source, "noise_multiplier": calibration.noise_multiplier,
             "epsilon": calibration.epsilon, "note": "; ".join(notes)}
+
+
+def _trained_size(recipe: Any, split_size: int) -> int:
+    """n the run trains on: the training split less what an ``audit`` section holds out, plus its canaries."""
+    from dptext.attacks.bookkeeping import audit_requested, trained_size
+
+    return trained_size(recipe.audit, split_size) if audit_requested(recipe.audit) else split_size
+
+
+def noise_schedule_for(privacy: Any) -> NoiseSchedule:
+    """The σ schedule of a recipe's ``privacy`` section (eDP-SGD's noise decay by epoch; constant otherwise)."""
+    if privacy.noise_decay == "none":
+        return CONSTANT
+    return NoiseSchedule("linear" if privacy.noise_decay == "linear" else "exp", rate=privacy.noise_decay_rate)

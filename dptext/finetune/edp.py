@@ -16,11 +16,9 @@ PROBE_BATCH = 16
 
 
 def noise_schedule(privacy: Any):
-    from dptext.accounting.schedule import CONSTANT, NoiseSchedule
+    from dptext.accounting.plan import noise_schedule_for
 
-    if privacy.noise_decay == "none":
-        return CONSTANT
-    return NoiseSchedule("linear" if privacy.noise_decay == "linear" else "exp", rate=privacy.noise_decay_rate)
+    return noise_schedule_for(privacy)
 
 
 def accounting_sigma(recipe: Any, plan: Any, factor: int, schedule: Any) -> float:
