@@ -35,13 +35,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = {  # method -> (recipe variant, overrides)
-    "nonprivate": ("nonprivate", []),
+    "nonprivate": ("dpsgd", ["privacy.enabled=false"]),  # the same recipe without clipping or noise
     "per_sample": ("dpsgd", ["privacy.clipping_mode=per_sample"]),
     "ghost": ("dpsgd", ["privacy.clipping_mode=ghost"]),
     "bookkeeping": ("dpsgd", ["privacy.clipping_mode=bookkeeping"]),
     "edp": ("edp", []),
 }
 TRAIN_SIZES = {"atis": 4478, "snips": 13084}
+RUN_KINDS = {"nonprivate": ["nonprivate"], "dpsgd": ["per_sample", "ghost", "bookkeeping"], "edp": ["edp"]}
 
 
 def command(dataset: str, method: str, processes: int, args, out: Path) -> list[str]:
@@ -82,8 +83,9 @@ def target_epsilon(dataset: str, method: str) -> float | None:
     """The ε the full recipe is calibrated to (None for the non-private one)."""
     from dptext.config import load_recipe
 
-    privacy = load_recipe(ROOT / "recipes" / f"{dataset}-{METHODS[method][0]}.yaml").privacy
-    return privacy.target_epsilon if privacy.enabled else None
+    if method == "nonprivate":
+        return None
+    return load_recipe(ROOT / "recipes" / f"{dataset}-{METHODS[method][0]}.yaml").privacy.target_epsilon
 
 
 def load() -> str:
@@ -98,12 +100,10 @@ def ser_by_method(run_dirs: list[str]) -> dict[tuple[str, str], dict]:
             continue
         result = json.loads((Path(run_dir) / "result.json").read_text())
         resolved = result["privacy"]
-        dataset = result["recipe"].split("-")[0]
-        variant = result["recipe"].split("-", 1)[1]
+        dataset, kind = result["recipe"].split("-", 1)  # run names: atis-nonprivate, atis-dpsgd, atis-edp
         eps = resolved.get("epsilon", {}).get("rdp", {}).get("epsilon") if resolved["private"] else None
         entry = {"ser": result["metrics"]["ser"], "epsilon": eps, "n": resolved["dataset_size"]}
-        methods = [m for m, (v, _) in METHODS.items() if v == variant]
-        for method in methods:
+        for method in RUN_KINDS.get(kind, []):
             found[(dataset, method)] = entry
     return found
 
