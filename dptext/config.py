@@ -65,6 +65,9 @@ class DataConfig:
     label_column: Optional[str] = doc(None, "Label column for generic jsonl/csv data.")
     max_train_examples: Optional[int] = doc(None, "Use only the first N training examples (after the seeded split).")
     max_eval_examples: Optional[int] = doc(None, "Evaluate on only the first N validation/test examples.")
+    sample_seed: Optional[int] = doc(None, "Take max_train_examples / max_eval_examples as a seeded random sample "
+                                     "of the split (kept in file order) instead of its first N records; files "
+                                     "sorted by class or category need it for a representative slice.")
     max_length: int = doc(128, "Maximum tokens per example; longer examples are truncated.")
     validation_fraction: float = doc(0.1, "Held-out fraction when the source has no validation split.")
     split_seed: int = doc(0, "Seed of the deterministic split for sources without official splits.")

