@@ -134,6 +134,8 @@ def _announce(training: Any, output: Any) -> None:
     if training.private:
         line += (f"; DP with σ={training.noise_multiplier:.4g}, C={recipe.privacy.max_grad_norm:g}, "
                  f"δ={plan.delta:.3g} ({plan.delta_source}), target ε={recipe.privacy.target_epsilon}")
+    elif training.info.get("privacy_claim"):  # distillation from DP data: post-processing, the claim is inherited
+        line += "; trains without noise on DP-derived data (the privacy claim is inherited, see the summary)"
     else:
         line += "; NON-PRIVATE baseline (privacy.enabled=false)"
     output.info(line)
