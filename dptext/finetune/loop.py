@@ -29,8 +29,10 @@ def _autocast(training: Any):
     return torch.autocast(training.device.type, dtype=training.autocast_dtype)
 
 
-def train_step(training: Any, indices: list[int]) -> float | None:
-    """One logical step on the examples ``indices``; returns their mean loss (None for an empty batch)."""
+def train_step(training: Any, indices: list[int]) -> tuple[float | None, int]:
+    """One logical step on the examples ``indices``: (their mean loss or None for an empty batch, batch size).
+
+    Distributed, both are over every rank's examples (``indices`` are this rank's share)."""
     total, count = 0.0, 0
     distributed = training.dist is not None and training.dist.active
     # eDP-SGD clips whole micro-batches: its units are the sampled examples of each fixed slot (dptext.privacy.edp)
@@ -63,7 +65,7 @@ def train_step(training: Any, indices: list[int]) -> float | None:
         training.optimizer.zero_grad(set_to_none=True)
     if distributed:  # the logged loss is the mean over every rank's examples
         total, count = training.dist.sum_floats(total, count)
-    return total / count if count else None
+    return (total / count if count else None), int(count)
 
 
 def checkpoint_state(training: Any, step: int) -> dict[str, Any]:
@@ -125,12 +127,12 @@ def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
     with output.progress(steps, "training") as progress:
         progress.advance(start_step)
         for step, indices in enumerate(training.sampler, start=start_step + 1):
-            loss = train_step(training, indices)
+            loss, batch_size = train_step(training, indices)
             eps = epsilon_spent(training)
             progress.advance(1, loss=loss, eps=eps)
             if step % cfg.log_every == 0 or step == steps:
                 record = {"step": step, "epoch": step / training.plan.steps_per_epoch, "loss": loss,
-                          "batch_size": len(indices), "epsilon": eps, "seconds": time.monotonic() - started}
+                          "batch_size": batch_size, "epsilon": eps, "seconds": time.monotonic() - started}
                 run.log_metrics(record)
             if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
                 run.log_metrics({"step": step, "split": "validation", **evaluate(training.eval_records)})
