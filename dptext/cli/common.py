@@ -33,3 +33,13 @@ OverridesArgument = Annotated[
 
 def make_output(json_mode: bool = False, quiet: bool = False) -> Output:
     return Output(json_mode=json_mode, quiet=quiet)
+
+
+def recipe_to_run(recipe: Path | None, overrides: list[str] | None, resume: Path | None):
+    """The recipe a new run starts from (with overrides applied), or None when ``--resume`` continues a run."""
+    from dptext.config import load_recipe
+    from dptext.errors import UserError
+
+    if resume is not None and (recipe is not None or overrides):
+        raise UserError("--resume continues a run with its own resolved.yaml; drop the recipe and overrides.")
+    return load_recipe(recipe, overrides or []) if recipe is not None else None

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from typing_extensions import Annotated
 
-from dptext.cli.common import JsonOption, OutOption, OverridesArgument, ResumeOption, make_output
+from dptext.cli.common import JsonOption, OutOption, OverridesArgument, ResumeOption, make_output, recipe_to_run
 
 
 def distill(
@@ -20,15 +20,10 @@ def distill(
     json_mode: JsonOption = False,
 ) -> None:
     """Train a student from a DP teacher (distildp) or run a baseline (dp_sgd, dpkd, synthetic_only, zero_shot)."""
-    from dptext.config import load_recipe
     from dptext.distill import run_distill
-    from dptext.errors import UserError
 
     output = make_output(json_mode)
-    if resume is not None and (recipe is not None or overrides):
-        raise UserError("--resume continues a run with its own resolved.yaml; drop the recipe and overrides.")
-    loaded = load_recipe(recipe, overrides or []) if recipe is not None else None
-    result = run_distill(loaded, out=out, resume=resume, output=output)
+    result = run_distill(recipe_to_run(recipe, overrides, resume), out=out, resume=resume, output=output)
     render(output, result)
     output.result(result)
 

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from typing_extensions import Annotated
 
-from dptext.cli.common import JsonOption, OutOption, OverridesArgument, ResumeOption, make_output
+from dptext.cli.common import JsonOption, OutOption, OverridesArgument, ResumeOption, make_output, recipe_to_run
 
 
 def finetune(
@@ -19,15 +19,10 @@ def finetune(
     json_mode: JsonOption = False,
 ) -> None:
     """Fine-tune with DP-Adam/DP-SGD (or the non-private baseline) and report metrics and ε."""
-    from dptext.config import load_recipe
-    from dptext.errors import UserError
     from dptext.finetune import run_finetune
 
     output = make_output(json_mode)
-    if resume is not None and (recipe is not None or overrides):
-        raise UserError("--resume continues a run with its own resolved.yaml; drop the recipe and overrides.")
-    loaded = load_recipe(recipe, overrides or []) if recipe is not None else None
-    result = run_finetune(loaded, out=out, resume=resume, output=output)
+    result = run_finetune(recipe_to_run(recipe, overrides, resume), out=out, resume=resume, output=output)
     if result.get("follower"):  # torchrun rank > 0: rank 0 reports the run
         return
     render_result(output, result)
