@@ -55,7 +55,6 @@ def epsilon_curves(runs: Sequence[StepRun], delta: float, methods: Sequence[str]
             values["epsilon"] = [b.estimate for b in bounds] if bounds else [None] * len(steps)
             values["lower"] = [b.lower for b in bounds] if bounds else [None] * len(steps)
             values["upper"] = [b.upper for b in bounds] if bounds else [None] * len(steps)
-        else:
         elif method == "pld":  # composes once per point (~0.3 s each)
             values["epsilon"] = [pld_epsilon(prefix_runs(runs, s), delta) for s in steps]
             values["lower"] = values["upper"] = [None] * len(steps)
