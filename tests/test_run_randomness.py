@@ -175,7 +175,8 @@ def test_interrupted_between_ledger_and_checkpoint_pointer(shared_data, tmp_path
         run_finetune(recipe(shared_data, "train.max_steps=2", "train.checkpoint_every=1"), out=tmp_path / "run")
     monkeypatch.undo()
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
-    assert ledger["steps"] == 2 and (tmp_path / "run" / "checkpoints" / "LATEST").read_text().startswith("step-00000001")
+    assert ledger["steps"] == 2
+    assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text().startswith("step-00000001")
     check_ledger_covers_every_checkpoint(tmp_path / "run")
     result = run_finetune(resume=tmp_path / "run")
     assert result["privacy"]["steps"] == 2

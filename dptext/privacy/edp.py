@@ -125,7 +125,8 @@ class EDPEngine:
         self._unit_examples = 0
         self.dp_optimizer = DPOptimizer(
             optimizer, self.params, self.noise_multiplier, self.max_grad_norm, self.slots,
-            NoiseSource(self.root, secure_rng, rank), reduce=self.distributed.all_reduce_sum if self.distributed else None,
+            NoiseSource(self.root, secure_rng, rank),
+            reduce=self.distributed.all_reduce_sum if self.distributed else None,
             adds_noise=self.distributed is None or self.distributed.rank == 0, scale=alphas)
 
     def _set_slot_rule(self, record_ids: Sequence[bytes] | None, rank: int) -> None:
@@ -240,7 +241,8 @@ class EDPEngine:
                      f"(accounted σ_t = z_t/{self.factor})")
         if leaks:
             guarantee += "; α measured on private data is NOT covered"
-        unit = {"index": "one example per slot (M > n)", "keyed_hash": "micro-batch (slot = keyed hash of the record id)",
+        unit = {"index": "one example per slot (M > n)",
+                "keyed_hash": "micro-batch (slot = keyed hash of the record id)",
                 "draw_per_step": "micro-batch (slot drawn independently per example and step)"}[self.slot_rule]
         return {"method": "edp_sgd", "unit": unit, "slot_rule": self.slot_rule, "sampling": "poisson",
                 "randomness": randomness_note(self.root), "noise_secret": self.root.secret,

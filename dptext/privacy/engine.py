@@ -7,8 +7,8 @@ those of the sampler and noise that really ran.
 
 Privacy settings: noise_multiplier σ, max_grad_norm C, sample_rate q (or expected batch size B = qn),
 the sampler (Poisson only: shuffling is not what the accountant covers, so it is refused), and the randomness:
-sampler and noise draw from separate children of one root (``dptext.privacy.randomness``), secret by default. Settings that do not change privacy: clipping_mode, clipping_layout's implementation, micro-batch
-size, dtype.
+sampler and noise draw from separate children of one root (``dptext.privacy.randomness``), secret by default.
+Settings that do not change privacy: clipping_mode, clipping_layout's implementation, micro-batch size, dtype.
 
 Clipping modes (same clipped sums, different cost):
 * ``bookkeeping`` (default): one backward pass. The engine's parameters are taken out of autograd
@@ -265,7 +265,8 @@ class PrivacyEngine:
         processes = self.distributed.world_size if self.distributed else 1
         return {"method": "dp_sgd", "unit": "example", "sensitivity": self.max_grad_norm,
                 "guarantee": "example-level (ε, δ); clipping unit: one example, sensitivity C",
-                "processes": processes, "noise": "N(0, σ²C²) once per step" + (" on rank 0" if processes > 1 else ""),
+                "processes": processes,
+                "noise": "N(0, σ²C²) once per step" + (" on rank 0" if processes > 1 else ""),
                 "sampling": self.sampling, "randomness": randomness_note(self.root), "noise_secret": self.root.secret}
 
     def state_dict(self) -> dict[str, Any]:
