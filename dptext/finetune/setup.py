@@ -65,14 +65,15 @@ def autocast_dtype(precision: str, device) -> Any:
     return torch.float16 if precision == "fp16" else torch.bfloat16
 
 
-def seed_everything(seed: int, child: str = "init") -> None:
-    """Seed Python, NumPy and torch's global generators from the public root's ``child`` (init, then dropout)."""
+def seed_everything(seed: int, child: str = "init", rank: int = 0) -> None:
+    """Seed Python, NumPy and torch's global generators from the public root's ``child`` (init, then dropout,
+    one stream per rank)."""
     import numpy as np
     import torch
 
     from dptext.privacy.randomness import RandomRoot
 
-    value = RandomRoot(seed).seed(child)
+    value = RandomRoot(seed).seed(child, rank)
     random.seed(value)
     np.random.seed(value % 2**32)
     torch.manual_seed(value)
@@ -172,7 +173,7 @@ def build_training(recipe: Any) -> Training:
     model = apply_adaptation(model, recipe).to(device)
     model.train()
     dist.broadcast_parameters(model)
-    seed_everything(recipe.train.seed, "dropout")  # dropout masks: a stream apart from initialisation
+    seed_everything(recipe.train.seed, "dropout", dist.rank)  # dropout: a stream apart from initialisation
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(recipe, params)
     plan = plan_for_recipe(recipe, len(train))
