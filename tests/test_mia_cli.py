@@ -93,8 +93,8 @@ def test_cli_mia_loss_shadow_lira_and_canary(audited_run, tmp_path, capsys):
         assert 0 <= summary["auc"] <= 1 and 0 <= summary["tpr_at_fpr_0.01"] <= 1
         assert 0 <= summary["epsilon_lower_bound"]["epsilon"] <= report["privacy"]["epsilon"]
     assert (tmp_path / "roc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((run / "mia" / "report.json").read_text())["attacks"].keys() == report["attacks"].keys()
-    references = sorted((run / "mia" / "references").iterdir())
+    assert json.loads((run / "mia_not_private" / "report.json").read_text())["attacks"].keys() == report["attacks"].keys()
+    references = sorted((run / "mia_not_private" / "references").iterdir())
     assert [p.name for p in references] == ["ref-00", "ref-01"]
     for ref in references:  # trained on half of the public pool, never on audited points
         used = set(config.load_recipe(ref / "resolved.yaml").audit.train_indices)
@@ -105,7 +105,7 @@ def test_cli_mia_loss_shadow_lira_and_canary(audited_run, tmp_path, capsys):
         main(["mia", str(run), str(run)])
     assert code.value.code == 0
     table = capsys.readouterr().out
-    assert "ε = 8" in table and "loss" in table and (run / "mia" / "roc.png").is_file()
+    assert "ε = 8" in table and "loss" in table and (run / "mia_not_private" / "roc.png").is_file()
 
     with pytest.raises(SystemExit) as code:
         main(["mia", "canary", str(run), "--candidates", "500", "--json"])

@@ -1,8 +1,9 @@
 """``run_finetune``: one fine-tuning run from recipe to result, in its run directory.
 
 What the CLI calls and tests call. A run writes resolved.yaml and provenance.json first, then
-metrics.jsonl as it trains, checkpoints and ledger.json, the trained model in ``model/`` and
-finally result.json. ``resume=RUN_DIR`` reopens such a directory and continues from its newest
+metrics.jsonl (ε spent) and diagnostics_not_private.jsonl (exact losses, realised batch sizes) as it
+trains, checkpoints and ledger.json, the trained model in ``model/``, finally result.json and release.json
+(the release status of every file, ``dptext.release``). ``resume=RUN_DIR`` reopens such a directory and continues from its newest
 complete checkpoint with the same recipe, the same samples, the same noise and the same privacy
 account.
 
@@ -58,6 +59,15 @@ def privacy_summary(training: Any) -> dict[str, Any]:
             "noise_schedule": [{"noise_multiplier": r.noise_multiplier, "steps": r.steps} for r in training.ledger.runs]}
 
 
+def release_flags(training: Any) -> list[str]:
+    """Why the run's outputs might lack the DP guarantee (``dptext.release.FLAG_REASONS``)."""
+    claim = training.info.get("privacy_claim") or {}
+    if training.private or claim.get("private"):
+        exact = claim.get("code_distribution", {}).get("mechanism") == "exact"
+        return ["exact_codes"] if exact else []
+    return ["non_private"]
+
+
 def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str | Path | None = None,
                  output: Any = None, build: Any = None) -> dict[str, Any]:
     """``build(recipe, run) -> Training`` replaces ``build_training`` (``dptext distill`` builds its student
@@ -107,7 +117,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     if recipe.eval.before_training and start_step == 0:
         before = evaluate(training.final_records)
         run.log_metrics({"step": 0, "split": recipe.eval.split, "before_training": True, **before})
-    last = run_loop(training, run, output, start_step, evaluate)
+    run_loop(training, run, output, start_step, evaluate)
     final = evaluate(training.final_records)
     run.log_metrics({"step": training.plan.steps, "split": recipe.eval.split, **final})
     if not dist.is_writer:
@@ -117,12 +127,12 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     result = {
         "run_dir": str(run.path), "recipe": recipe.name, "model": recipe.model.name, "task": recipe.task.type,
         "eval_split": recipe.eval.split, "primary_metric": training.task.primary_metric,
-        "metrics": final, "metrics_before_training": before, "final_train_loss": last.get("loss"),
+        "metrics": final, "metrics_before_training": before,
         "privacy": privacy_summary(training), "model_dir": str(model_dir),
         "physical_batch_size": training.physical_batch_size, **training.info,
         "seconds": time.monotonic() - started,
     }
-    run.save_result(result)
+    run.save_result(result, release_flags(training))
     release()
     return result
 
