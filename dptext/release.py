@@ -159,11 +159,13 @@ def read_manifest(root: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def check_registered(path: str | Path) -> None:
-    """Refuse to write ``path`` inside a folder that has a manifest when no entry of its kind lists it."""
+def check_registered(path: str | Path) -> Path | None:
+    """Refuse to write ``path`` inside a folder that has a manifest when no entry of its kind lists it; returns
+    that folder (the nearest one with a release.json), or None when ``path`` lies in no such folder."""
     path = Path(path).absolute()
     for root in list(path.parents)[:6]:
         found = read_manifest(root) if (root / MANIFEST).is_file() else None
         if found is not None:
             entry_for(path.relative_to(root).as_posix(), found.get("kind", "run"))
-            return
+            return root
+    return None

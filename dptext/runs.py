@@ -12,7 +12,8 @@ Layout of ``runs/<recipe>-<timestamp>/`` (or ``--out``)::
     release.json         every file above with its release status (``dptext.release``)
 
 Only files registered in ``dptext.release`` may be written: ``atomic_write`` refuses any other inside a
-folder that has a ``release.json``, and ``write_manifest`` fails on one it finds.
+folder that has a ``release.json`` (and rewrites that manifest after each file it writes there), and
+``write_manifest`` fails on an unregistered file it finds.
 
 Every file is written to a temporary name in the same folder, flushed, fsynced and
 renamed over the target, so a crash or Ctrl-C leaves either the old file or the new
@@ -62,7 +63,7 @@ def _umask() -> int:
 def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = False) -> None:
     """Write ``path`` via ``write(fileobj)`` on a temp file, then rename it into place."""
     path = Path(path)
-    release.check_registered(path)
+    root = release.check_registered(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -76,6 +77,8 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = 
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    if root is not None and path.name != release.MANIFEST:  # keep release.json in step with the folder
+        write_manifest(root)
 
 
 @contextmanager
@@ -85,7 +88,7 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     For outputs that are folders (a saved model): readers see the old folder or the complete new one.
     """
     target = Path(target)
-    release.check_registered(target)
+    root = release.check_registered(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     os.chmod(staging, 0o777 & ~_umask())
@@ -97,6 +100,8 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+    if root is not None:
+        write_manifest(root)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -54,6 +54,8 @@ def render_result(output, result: dict) -> None:
                  ["C (clipping norm)", privacy["max_grad_norm"], None]]
     else:
         rows.append(["privacy", "none (non-private baseline)", None])
+    if privacy.get("privacy_unit"):
+        rows.append(["privacy unit", privacy["privacy_unit"], None])
     rows += [["steps", privacy["steps"], None], ["expected batch", privacy["expected_batch_size"], None],
              ["time (s)", result["seconds"], None]]
     output.table(f"{result['recipe']}: {result['model']} / {result['task']}", ["", "after training",
@@ -69,6 +71,21 @@ def render_result(output, result: dict) -> None:
                          f"δ = {privacy['delta']:.2g}")
         output.info(f"Look at: {headline} {change}{result['metrics'][headline]:.4g} after training, {guarantee}.")
     output.info(f"Run directory: {result['run_dir']} (model in {result['model_dir']}, curves in metrics.jsonl)")
+    render_not_covered(output, Path(result["run_dir"]))
+
+
+def render_not_covered(output, run_dir: Path) -> None:
+    """Which of the run's files ε does not cover (from release.json), so nobody ships them by mistake."""
+    import json
+
+    manifest = run_dir / "release.json"
+    if not manifest.is_file():
+        return
+    folders = sorted({f["path"].split("/")[0] + ("/" if "/" in f["path"] else "")
+                      for f in json.loads(manifest.read_text())["files"] if f["status"] == "not_covered"})
+    if folders:
+        output.info(f"NOT covered by ε (training records or un-noised statistics; never publish): {', '.join(folders)}"
+                    f"; `dptext account {run_dir}` lists what ε covers.")
 
 
 def register(app: typer.Typer) -> None:

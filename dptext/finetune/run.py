@@ -44,10 +44,21 @@ def save_model(training: Any, run: RunDir) -> Path:
     return target
 
 
+DIALOG_UNIT = ("one message (a record: the response with the dialog so far as its prompt); a message also sits "
+               "in the history of every later record of its dialog, so one message, a whole dialog or one speaker "
+               "is covered only by group privacy over the records it appears in (about (k+1)·ε for k later turns)")
+
+
+def privacy_unit(task_type: str) -> str:
+    """What one unit of the DP guarantee is for this task (what add/remove-one changes)."""
+    return DIALOG_UNIT if task_type == "dialog" else "one training record (one line / example of the data)"
+
+
 def privacy_summary(training: Any) -> dict[str, Any]:
     recipe, plan = training.recipe, training.plan
     summary = {"private": training.private, "steps": plan.steps, "sample_rate": plan.sample_rate,
-               "expected_batch_size": plan.sample_rate * plan.dataset_size, "dataset_size": plan.dataset_size}
+               "expected_batch_size": plan.sample_rate * plan.dataset_size, "dataset_size": plan.dataset_size,
+               "privacy_unit": privacy_unit(recipe.task.type)}
     if not training.private:
         return {**summary, "note": "non-private baseline: no clipping, no noise, no privacy guarantee"}
     return {**summary, "noise_multiplier": training.noise_multiplier,
@@ -149,3 +160,5 @@ def _announce(training: Any, output: Any) -> None:
     else:
         line += "; NON-PRIVATE baseline (privacy.enabled=false)"
     output.info(line)
+    if training.private and recipe.task.type == "dialog":
+        output.info(f"Privacy unit: {DIALOG_UNIT}.")

@@ -33,6 +33,14 @@ class ClassificationTask(Task):
         check_records(train_records, lambda r: class_index(r.get("label"), self.classes) is not None,
                       self.other is not None, "label", "task.labels")
 
+    def label_index(self, record: dict[str, Any]) -> int:
+        """The record's class id; an undeclared label (evaluation only: training refused it) is the "other" class
+        when the recipe has one, else ignored by the loss and scored wrong."""
+        index = class_index(record["label"], self.classes)
+        if index is not None:
+            return index
+        return self.other if self.other is not None else IGNORE_INDEX
+
     @property
     def num_labels(self) -> int:
         return self._num_labels
@@ -56,9 +64,7 @@ class ClassificationTask(Task):
                                 "(e.g. GLUE test) cannot be scored, use the validation split.")
             encoded = self.tokenizer(record["text"], record.get("text_pair"), truncation=True,
                                      max_length=self.max_length)
-            index = class_index(record["label"], self.classes)  # undeclared (evaluation only): scored wrong
-            extra = {"label": index if index is not None else (self.other if self.other is not None
-                                                                else IGNORE_INDEX)}
+            extra = {"label": self.label_index(record)}
             if "token_type_ids" in encoded:
                 extra["token_type_ids"] = encoded["token_type_ids"]
             examples.append(Example(input_ids=encoded["input_ids"], labels=[], extra=extra))
