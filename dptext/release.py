@@ -24,6 +24,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Iterable
 
+from dptext.errors import UserError
+
 COVERED, PUBLIC, NOT_COVERED = "covered", "public", "not_covered"
 MANIFEST = "release.json"
 STATUSES = {
@@ -38,8 +40,9 @@ FLAG_REASONS = {
 }
 
 
-class UnregisteredOutput(RuntimeError):
-    """A file without a release status: a bug in dptext (register it in dptext/release.py), not a user error."""
+class UnregisteredOutput(UserError):
+    """A file without a release status inside a run directory or synth folder: a bug in dptext when dptext chose
+    the name (register it in dptext/release.py), a user's choice when the user named it (e.g. a --plot path)."""
 
 
 @dataclass(frozen=True)
@@ -121,8 +124,8 @@ def entry_for(relative: str, kind: str) -> Entry:
     for entry in REGISTRIES[kind]:
         if _match(entry.pattern, relative):
             return entry
-    raise UnregisteredOutput(f"'{relative}' has no release status in a {kind} output; register it in "
-                             "dptext/release.py (covered, public or not_covered, and why).")
+    raise UnregisteredOutput(f"'{relative}' has no release status in this {kind} output (release.json); write your "
+                             "own files outside it (if dptext chose the name, register it in dptext/release.py).")
 
 
 def status_of(entry: Entry, flags: Iterable[str]) -> tuple[str, str]:

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from typing_extensions import Annotated
 
-from dptext.cli.common import JsonOption, OutOption, OverridesArgument, ResumeOption, make_output, recipe_to_run
+from dptext.cli.common import (JsonOption, OutOption, OverridesArgument, ResumeOption, make_output, recipe_to_run,
+                               render_not_covered)
 
 
 def finetune(
@@ -72,20 +73,6 @@ def render_result(output, result: dict) -> None:
         output.info(f"Look at: {headline} {change}{result['metrics'][headline]:.4g} after training, {guarantee}.")
     output.info(f"Run directory: {result['run_dir']} (model in {result['model_dir']}, curves in metrics.jsonl)")
     render_not_covered(output, Path(result["run_dir"]))
-
-
-def render_not_covered(output, run_dir: Path) -> None:
-    """Which of the run's files ε does not cover (from release.json), so nobody ships them by mistake."""
-    import json
-
-    manifest = run_dir / "release.json"
-    if not manifest.is_file():
-        return
-    folders = sorted({f["path"].split("/")[0] + ("/" if "/" in f["path"] else "")
-                      for f in json.loads(manifest.read_text())["files"] if f["status"] == "not_covered"})
-    if folders:
-        output.info(f"NOT covered by ε (training records or un-noised statistics; never publish): {', '.join(folders)}"
-                    f"; `dptext account {run_dir}` lists what ε covers.")
 
 
 def register(app: typer.Typer) -> None:
