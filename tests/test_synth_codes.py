@@ -107,3 +107,10 @@ def test_bad_inputs_are_user_errors():
     with pytest.raises(UserError):
         code_distribution(RECORDS, [], "exact")
     assert parse_domain("category=books,dvd;rating=1,2") == {"category": ["books", "dvd"], "rating": [1, 2]}
+
+
+def test_whole_number_codes_match_the_declared_domain():
+    records = [{"category": "books", "rating": 5.0}, {"category": "dvd", "rating": 1}]
+    dist = code_distribution(records, ["category", "rating"], "laplace", epsilon=1e6, domain=DOMAIN, seed=0)
+    counts = dict(zip(dist.codes, np.round(dist.noisy_counts)))
+    assert counts[("books", 5)] == 1 and counts[("dvd", 1)] == 1 and sum(counts.values()) == 2

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from dptext.errors import UserError
-from dptext.tasks.label_sets import check_code_domain
+from dptext.tasks.label_sets import canonical, check_code_domain
 
 MECHANISMS = ("laplace", "gaussian", "exact")
 DEFAULT_CODE_EPSILON = 1.0  # Laplace histogram's ε when none is given: 16 cells of ~30 records keep their shape
@@ -119,7 +119,7 @@ def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], 
                         "recipe or pass --code-domain 'field=v1,v2;...' (or --codes exact, which is not covered by ε).")
     check_code_domain(records, fields, domain)
     codes = list(itertools.product(*(domain[f] for f in fields)))
-    exact = np.array([sum(n for code, n in counts.items() if [str(v) for v in code] == [str(v) for v in cell])
+    exact = np.array([sum(n for code, n in counts.items() if list(map(canonical, code)) == list(map(canonical, cell)))
                       for cell in codes], dtype=float)
     rng = np.random.default_rng(seed)
     if mechanism == "laplace":

@@ -83,13 +83,20 @@ def declared_intents_and_tags(recipe: Any) -> tuple[list[str], list[str]]:
     return [str(i) for i in task.intents], bio_tags([str(s) for s in task.slot_types])
 
 
+def canonical(value: Any) -> str:
+    """A code value as compared with the declared domain: text, with whole numbers written as such (5.0 == 5)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def check_code_domain(records: Sequence[dict[str, Any]], fields: Sequence[str], domain: dict[str, list]) -> None:
     """Every training record's control code must lie in the declared domain (refused by position)."""
-    values = {f: {str(v) for v in domain.get(f, [])} for f in fields}
+    values = {f: {canonical(v) for v in domain.get(f, [])} for f in fields}
     missing = [f for f in fields if not values[f]]
     if missing:
         raise UserError(f"The code domain lists no values for {missing}; declare every code field's values in "
                         "task.code_domain (or --code-domain).")
     for position, record in enumerate(records):
-        if any(str(record.get(f)) not in values[f] for f in fields):
+        if any(canonical(record.get(f)) not in values[f] for f in fields):
             raise refuse_outside(position, "control code", "task.code_domain")
