@@ -2,8 +2,8 @@
 
 Every configuration is the real command (``dptext finetune recipes/{atis,snips}-*.yaml``; with 2 processes
 ``torchrun --standalone --nproc_per_node 2 -m dptext finetune ...``, gloo on CPU) run for a few steps in a fresh
-process. Time per step = the mean wall time of steps 2..S (from the run's metrics.jsonl; step 1 is warm-up, and
-model loading, σ calibration and evaluation are not timed); time per epoch = time per step × n / B, the number of
+process. Time per step = the mean wall time of steps 2..S (from the run's diagnostics_not_private.jsonl; step 1
+is warm-up, and model loading, σ calibration and evaluation are not timed); time per epoch = time per step × n / B, the number of
 steps in one epoch of the recipe at the timing batch B. Configurations are interleaved round-robin (every
 repeat runs each once, in a rotated order) so that load from other jobs on a shared machine falls on all alike.
 
@@ -71,8 +71,10 @@ def time_one(dataset: str, method: str, processes: int, args, scratch: Path) -> 
     wall = time.monotonic() - started
     if done.returncode != 0:
         return {"status": "failed", "error": done.stderr.strip().splitlines()[-1:] or ["?"], "wall_s": wall}
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    seconds = [r["seconds"] for r in steps if "loss" in r]
+    # per-step wall time is an un-noised diagnostic (it grows with the realised batch): it lives apart from
+    # metrics.jsonl, in the not-covered diagnostics file
+    steps = [json.loads(line) for line in (out / "diagnostics_not_private.jsonl").read_text().splitlines()]
+    seconds = [r["seconds"] for r in steps]
     result = json.loads((out / "result.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     step_s = (seconds[-1] - seconds[0]) / (len(seconds) - 1)  # steps 2..S

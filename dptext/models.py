@@ -206,10 +206,10 @@ CLC_MODELS = ("clc", "tiny-clc")  # bi-LSTM + char-CNN of Dupuy et al. (task.typ
 def load_tokenizer(name: str):
     """The tokenizer of ``name``, with a pad token set (GPT-2 style models have none)."""
     _quiet_transformers()
-    if name in CLC_MODELS:  # word and character vocabularies, filled from the training split by the task
+    if name in CLC_MODELS:  # fixed public word and character vocabularies (never the training split's)
         from dptext.tasks.clc import WordTokenizer
 
-        return WordTokenizer()
+        return WordTokenizer.public()
     if name in TINY_MODELS:
         return tiny_tokenizer(name)
     from transformers import AutoTokenizer

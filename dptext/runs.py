@@ -4,10 +4,16 @@ Layout of ``runs/<recipe>-<timestamp>/`` (or ``--out``)::
 
     resolved.yaml        the recipe after defaults and overrides (what actually ran)
     provenance.json      git revision, package versions, command line, machine
-    metrics.jsonl        one JSON object per logged step / evaluation
+    metrics.jsonl        one JSON object per logged step / evaluation: step, ε spent, evaluation metrics
+    diagnostics_not_private.jsonl   exact per-step loss and realised batch size (NOT covered by ε)
     ledger.json          privacy state: q, σ per step, δ, ε per accountant
     checkpoints/         step-00000123.pt files plus LATEST, each written atomically
     result.json          the final summary, written when the run completes
+    release.json         every file above with its release status (``dptext.release``)
+
+Only files registered in ``dptext.release`` may be written: ``atomic_write`` refuses any other inside a
+folder that has a ``release.json`` (and rewrites that manifest after each file it writes there), and
+``write_manifest`` fails on an unregistered file it finds.
 
 Every file is written to a temporary name in the same folder, flushed, fsynced and
 renamed over the target, so a crash or Ctrl-C leaves either the old file or the new
@@ -30,11 +36,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from dptext import release
 from dptext.errors import UserError
 
 RESOLVED = "resolved.yaml"
 PROVENANCE = "provenance.json"
 METRICS = "metrics.jsonl"
+DIAGNOSTICS = "diagnostics_not_private.jsonl"
 LEDGER = "ledger.json"
 RESULT = "result.json"
 CHECKPOINTS = "checkpoints"
@@ -55,6 +63,7 @@ def _umask() -> int:
 def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = False) -> None:
     """Write ``path`` via ``write(fileobj)`` on a temp file, then rename it into place."""
     path = Path(path)
+    root = release.check_registered(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -68,6 +77,8 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = 
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    if root is not None and path.name != release.MANIFEST:  # keep release.json in step with the folder
+        write_manifest(root)
 
 
 @contextmanager
@@ -77,6 +88,7 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     For outputs that are folders (a saved model): readers see the old folder or the complete new one.
     """
     target = Path(target)
+    root = release.check_registered(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     os.chmod(staging, 0o777 & ~_umask())
@@ -88,6 +100,8 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+    if root is not None:
+        write_manifest(root)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -111,6 +125,16 @@ def atomic_write_png(path: str | Path, figure: Any) -> Path:
     plt.close(figure)
     atomic_write(path, lambda handle: handle.write(buffer.getvalue()), binary=True)
     return Path(path)
+
+
+def write_manifest(root: str | Path, kind: str | None = None, flags: Any = None) -> dict[str, Any]:
+    """(Re)write ``root/release.json``; kind and flags default to those of the manifest already there."""
+    previous = release.read_manifest(root) or {}
+    kind = kind or previous.get("kind", "run")
+    flags = list(previous.get("flags", {})) if flags is None else list(flags)
+    data = release.manifest(root, kind, flags)
+    atomic_write_text(Path(root) / release.MANIFEST, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    return data
 
 
 def git_revision(directory: Path | None = None) -> str:
@@ -206,6 +230,7 @@ class RunDir:
         run = cls(out)
         atomic_write_text(run.path / RESOLVED, dump_recipe(recipe))
         atomic_write_json(run.path / PROVENANCE, provenance())
+        write_manifest(run.path, "run", [] if recipe.privacy.enabled else ["non_private"])
         return run
 
     @classmethod
@@ -223,17 +248,22 @@ class RunDir:
         return load_recipe(self.path / RESOLVED)
 
     # ------------------------------------------------------------------ metrics
-    def log_metrics(self, record: dict[str, Any]) -> None:
-        """Append one JSON line; flushed and fsynced so a crash loses at most this line."""
+    def log_metrics(self, record: dict[str, Any], name: str = METRICS) -> None:
+        """Append one JSON line to ``name``; flushed and fsynced so a crash loses at most this line."""
         from dptext.output import _jsonable
 
-        with open(self.path / METRICS, "a") as handle:
+        release.check_registered(self.path / name)
+        with open(self.path / name, "a") as handle:
             handle.write(json.dumps(_jsonable(record)) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        path = self.path / METRICS
+    def log_diagnostics(self, record: dict[str, Any]) -> None:
+        """Un-noised statistics of private batches (exact loss, realised batch size): not covered by ε."""
+        self.log_metrics(record, DIAGNOSTICS)
+
+    def read_metrics(self, name: str = METRICS) -> list[dict[str, Any]]:
+        path = self.path / name
         if not path.exists():
             return []
         records = []
@@ -246,8 +276,9 @@ class RunDir:
 
     def truncate_metrics_after(self, step: int) -> None:
         """On resume, drop records logged after the checkpoint we resume from (they will be redone)."""
-        kept = [r for r in self.read_metrics() if r.get("step", 0) <= step]
-        atomic_write_text(self.path / METRICS, "".join(json.dumps(r) + "\n" for r in kept))
+        for name in (METRICS, DIAGNOSTICS):
+            kept = [r for r in self.read_metrics(name) if r.get("step", 0) <= step]
+            atomic_write_text(self.path / name, "".join(json.dumps(r) + "\n" for r in kept))
 
     # ------------------------------------------------------------------ privacy ledger and result
     def save_ledger(self, ledger: dict[str, Any]) -> None:
@@ -257,8 +288,11 @@ class RunDir:
         path = self.path / LEDGER
         return json.loads(path.read_text()) if path.exists() else None
 
-    def save_result(self, result: dict[str, Any]) -> None:
+    def save_result(self, result: dict[str, Any], flags: Any = None) -> None:
+        """The final summary, then the release manifest of everything the run wrote (``flags``: see
+        ``dptext.release.FLAG_REASONS``; None keeps the manifest's)."""
         atomic_write_json(self.path / RESULT, result)
+        write_manifest(self.path, "run", flags)
 
     def load_result(self) -> dict[str, Any] | None:
         path = self.path / RESULT
@@ -282,6 +316,7 @@ class RunDir:
         atomic_write_text(self.checkpoint_dir / LATEST, target.name + "\n")
         for old in sorted(self.checkpoint_dir.glob("step-*.pt"))[:-keep]:
             old.unlink()
+        write_manifest(self.path)  # fails if the run wrote a file without a release status
         return target
 
     def latest_checkpoint(self) -> Path | None:

@@ -22,7 +22,8 @@ DATA = Path(os.environ.get("DPTEXT_SHARED_DATA", Path(__file__).resolve().parent
 AMAZON = DATA / "amazon_multidomain_sentiment"
 SLICE = {"dataset": "amazon", "path": str(AMAZON), "max_train_examples": 48, "max_eval_examples": 8,
          "max_length": 40}
-TASK = {"type": "language_modeling", "control_codes": ["category", "rating"]}
+TASK = {"type": "language_modeling", "control_codes": ["category", "rating"],
+        "code_domain": {"category": ["books", "dvd", "electronics", "kitchen & housewares"], "rating": [1, 2, 4, 5]}}
 
 
 def write_recipe(path: Path, **sections) -> Path:
@@ -105,7 +106,12 @@ def test_teacher_synth_distill_carry_the_privacy_claim(teacher, tmp_path, capsys
                    "--max-new-tokens", "8", "--validation-fraction", "0.25", "--codes", "gaussian",
                    "--code-epsilon", "0.5", "--code-delta", "1e-6", "--check-training-copies"], capsys)
     assert summary["splits"] == {"train": 12, "validation": 4}
-    assert 0 <= summary["exact_duplicate_rate"] < 1 and "training_text_copies" in summary
+    assert 0 <= summary["exact_duplicate_rate"] < 1 and "training_text_copies" not in summary
+    copies = json.loads((synthetic / "training_copies_not_private.json").read_text())
+    assert copies["count"] >= 0 and "NOT covered" in copies["note"]
+    release = {f["path"]: f["status"] for f in json.loads((synthetic / "release.json").read_text())["files"]}
+    assert release["train.jsonl"] == "covered" and release["training_copies_not_private.json"] == "not_covered"
+    assert set(release) == {p.relative_to(synthetic).as_posix() for p in synthetic.rglob("*") if p.is_file()}
     provenance = json.loads((synthetic / "provenance.json").read_text())
     assert provenance["teacher"]["teacher_run"] == str(teacher.resolve())
     assert provenance["teacher"]["epsilon"] == eps_teacher and provenance["teacher"]["accountant"] == "rdp"
@@ -151,3 +157,15 @@ def test_dpkd_splits_the_budget_and_synthetic_only_is_lambda_zero(teacher, tmp_p
     with pytest.raises(SystemExit) as code:  # the synthetic-data methods need synthetic data
         main(["distill", str(recipe), "distill.method=synthetic_only", "--out", str(tmp_path / "x")])
     assert code.value.code == 2
+
+
+def test_exact_codes_only_on_request_and_then_marked_not_covered(teacher, tmp_path):
+    synthesize(teacher, tmp_path / "exact", n=4, batch_size=4, max_new_tokens=4, validation_fraction=0.25,
+               code_mechanism="exact")
+    release = json.loads((tmp_path / "exact" / "release.json").read_text())
+    status = {f["path"]: f["status"] for f in release["files"]}
+    assert "exact_codes" in release["flags"]
+    assert all(status[name] == "not_covered" for name in ("train.jsonl", "plan.json", "summary.json"))
+    plan = json.loads((tmp_path / "exact" / "plan.json").read_text())["distribution"]
+    assert "noisy_counts" not in plan and "exact_private_frequencies" in plan
+    assert json.loads((tmp_path / "exact" / "provenance.json").read_text())["privacy"]["note"].startswith("NOT COVERED")

@@ -43,7 +43,17 @@ def test_every_task_trains_privately_and_writes_its_run(task, shared_data, tmp_p
     assert result["privacy"]["private"] and result["privacy"]["steps"] == 3
     assert result["metrics"], "the final evaluation produced no metrics"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in steps if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in steps if "epsilon" in r] == [1, 2, 3]
+    assert not any("loss" in r or "batch_size" in r for r in steps), "un-noised batch statistics in metrics.jsonl"
+    diagnostics = [json.loads(line) for line in (run / "diagnostics_not_private.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in diagnostics] == [1, 2, 3] and all("loss" in r and "batch_size" in r for r in diagnostics)
+    assert "final_train_loss" not in result
+    manifest = json.loads((run / "release.json").read_text())
+    listed = {f["path"]: f["status"] for f in manifest["files"]}
+    on_disk = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
+    assert set(listed) == on_disk, "release.json must list exactly the files of the run"
+    assert listed["diagnostics_not_private.jsonl"] == "not_covered" and listed["metrics.jsonl"] == "covered"
+    assert all(listed[p] == "not_covered" for p in listed if p.startswith("checkpoints/step-"))
     ledger = json.loads((run / "ledger.json").read_text())
     assert ledger["steps"] == 3 and ledger["runs"][0]["noise_multiplier"] == result["privacy"]["noise_multiplier"]
 
@@ -95,8 +105,8 @@ def test_interrupted_run_resumes_to_identical_parameters(shared_data, tmp_path, 
     assert resumed["privacy"]["steps"] == 6
     ledger = json.loads((tmp_path / "b" / "ledger.json").read_text())
     assert ledger["steps"] == 6
-    logged = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
+    logged = [json.loads(line)["step"] for line in
+              (tmp_path / "b" / "diagnostics_not_private.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 3, 4, 5, 6]
 
 

@@ -94,7 +94,8 @@ def task_for(*overrides: str):
     from dptext.models import load_tokenizer
     from dptext.tasks import build_task
 
-    recipe = config.load_recipe(None, ["task.type=intent_slot", "data.dataset=atis", *overrides])
+    recipe = config.load_recipe(None, ["task.type=intent_slot", "data.dataset=atis", "task.intents=[flight, airfare]",
+                                       "task.slot_types=[toloc]", *overrides])
     train = [{"tokens": ["fly", "to", "boston"], "tags": ["O", "O", "B-toloc"], "intent": "flight"},
              {"tokens": ["fares", "please"], "tags": ["O", "O"], "intent": "airfare"}]
     return build_task(recipe, load_tokenizer(recipe.model.name), train)

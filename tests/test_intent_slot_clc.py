@@ -49,8 +49,10 @@ RECORDS = [
 @pytest.mark.parametrize("mode", MODES)
 def test_clc_joint_model_clips_like_per_example_autograd(mode):
     recipe = config.load_recipe(None, ["task.type=intent_slot", "data.dataset=atis", "model.name=tiny-clc",
-                                       "task.crf=true", "task.pooling=mean"])
-    task = build_task(recipe, WordTokenizer(), RECORDS[:4])  # "xyzzy" is out of vocabulary: <unk> word and chars
+                                       "task.crf=true", "task.pooling=mean", "task.intents=[flight, airfare, airline]",
+                                       "task.slot_types=[toloc, cost, from, date]"])
+    words = ["fly", "to", "boston", "cheapest", "fare", "from", "new", "york", "list", "airlines", "denver"]
+    task = build_task(recipe, WordTokenizer(words, "abcdefghijklmnopqrstuvwxyz"), RECORDS[:4])  # "xyzzy": <unk>
     model = task.load_model().eval()  # no dropout: the engine's forward and the brute force must agree
     batch = task.collate(task.encode(RECORDS))
     assert batch["char_ids"].shape[:2] == batch["input_ids"].shape
@@ -74,3 +76,18 @@ def test_clc_joint_model_clips_like_per_example_autograd(mode):
     errors = {n: float((got[p] - expected[n]).abs().max()) for n, p in model.named_parameters() if n in expected}
     assert len(errors) == len(expected) and all(e < 1e-4 for e in errors.values()), errors
     assert any(n.startswith("encoder.lstm.") for n in errors) and "classifier.crf.transitions" in errors
+
+
+def test_clc_vocabulary_is_public_and_fixed_not_built_from_the_records():
+    """Issue 21 point 8: a word of the private records must not reach the saved vocabulary."""
+    from dptext.models import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny-clc")
+    assert "boston" in tokenizer.words and "qzxvcanaryword" not in tokenizer.words
+    recipe = config.load_recipe(None, ["task.type=intent_slot", "data.dataset=atis", "model.name=tiny-clc",
+                                       "task.intents=[flight]", "task.slot_types=[toloc]"])
+    records = [{"tokens": ["fly", "to", "qzxvcanaryword"], "tags": ["O", "O", "B-toloc"], "intent": "flight"}]
+    before = dict(tokenizer.words)
+    task = build_task(recipe, tokenizer, records)
+    assert tokenizer.words == before  # building the task learnt nothing from the records
+    assert task.encode(records)[0].input_ids[2] == 1  # the canary word is <unk>

@@ -43,7 +43,7 @@ def test_finetune_records_members_nonmembers_and_trains_on_members_only(audited_
     from dptext.data import load_records
 
     run, result = audited_run
-    audit = run / "audit"
+    audit = run / "audit_not_private"
     members, nonmembers, public = (_rows(audit / f"{n}.jsonl") for n in ("members", "nonmembers", "public"))
     indices = [{r["index"] for r in rows} for rows in (members, nonmembers, public)]
     assert [len(s) for s in indices] == [50, 30, 40] and set.union(*indices) == set(range(120))
@@ -68,7 +68,7 @@ def test_reloaded_model_is_the_trained_one_and_scores_are_the_task_loss(audited_
     trained = RunDir(run).load_checkpoint()["model"]
     for name, value in target.model.state_dict().items():
         assert torch.equal(value, trained[name]), name
-    records = [r["record"] for r in _rows(run / "audit" / "members.jsonl")[:5]]
+    records = [r["record"] for r in _rows(run / "audit_not_private" / "members.jsonl")[:5]]
     scores = record_scores(target.task, target.model, records, batch_size=2)
     with torch.no_grad():  # brute force: the task's own per-example loss, one record at a time
         brute = [target.task.per_example_loss(target.model, target.task.collate(target.task.encode([r]))).item()
@@ -93,19 +93,19 @@ def test_cli_mia_loss_shadow_lira_and_canary(audited_run, tmp_path, capsys):
         assert 0 <= summary["auc"] <= 1 and 0 <= summary["tpr_at_fpr_0.01"] <= 1
         assert 0 <= summary["epsilon_lower_bound"]["epsilon"] <= report["privacy"]["epsilon"]
     assert (tmp_path / "roc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((run / "mia" / "report.json").read_text())["attacks"].keys() == report["attacks"].keys()
-    references = sorted((run / "mia" / "references").iterdir())
+    assert json.loads((run / "mia_not_private" / "report.json").read_text())["attacks"].keys() == report["attacks"].keys()
+    references = sorted((run / "mia_not_private" / "references").iterdir())
     assert [p.name for p in references] == ["ref-00", "ref-01"]
     for ref in references:  # trained on half of the public pool, never on audited points
         used = set(config.load_recipe(ref / "resolved.yaml").audit.train_indices)
-        public = {r["index"] for r in _rows(run / "audit" / "public.jsonl")}
+        public = {r["index"] for r in _rows(run / "audit_not_private" / "public.jsonl")}
         assert used < public and len(used) == 20
 
     with pytest.raises(SystemExit) as code:  # side by side, table for people
         main(["mia", str(run), str(run)])
     assert code.value.code == 0
     table = capsys.readouterr().out
-    assert "ε = 8" in table and "loss" in table and (run / "mia" / "roc.png").is_file()
+    assert "ε = 8" in table and "loss" in table and (run / "mia_not_private" / "roc.png").is_file()
 
     with pytest.raises(SystemExit) as code:
         main(["mia", "canary", str(run), "--candidates", "500", "--json"])
@@ -146,7 +146,7 @@ def test_mean_pooling_classifier_reloads(tmp_path, shared_data):
     assert set(target.model.state_dict()) == set(trained)
     for name, value in target.model.state_dict().items():
         assert torch.equal(value, trained[name]), name
-    rows = _rows(tmp_path / "pooled" / "audit" / "nonmembers.jsonl")
+    rows = _rows(tmp_path / "pooled" / "audit_not_private" / "nonmembers.jsonl")
     scores = record_scores(target.task, target.model, [r["record"] for r in rows], batch_size=4)
     assert scores["features"].shape == (10, 2)  # sorted class probabilities
     np.testing.assert_allclose(scores["features"].sum(1), 1, rtol=1e-5)

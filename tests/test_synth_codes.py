@@ -15,16 +15,19 @@ from dptext.errors import UserError
 
 RECORDS = ([{"category": "books", "rating": 5}] * 6 + [{"category": "books", "rating": 1}] * 3
            + [{"category": "dvd", "rating": 4}] * 1)
+DOMAIN = {"category": ["books", "dvd", "music"], "rating": [1, 2, 4, 5]}
 
 
 def test_exact_distribution_is_the_empirical_one():
-    dist = code_distribution(RECORDS, ["category", "rating"])
+    dist = code_distribution(RECORDS, ["category", "rating"], "exact")
     assert dict(zip(dist.codes, dist.probabilities)) == {("books", 5): 0.6, ("books", 1): 0.3, ("dvd", 4): 0.1}
     assert dist.epsilon == 0 and dist.delta == 0 and dist.mechanism == "exact"
+    saved = dist.to_dict()  # plan.json: never exact counts, and the key says what the frequencies are
+    assert "noisy_counts" not in saved and "exact_private_frequencies" in saved and "probabilities" not in saved
 
 
 def test_sampled_codes_follow_the_distribution_and_are_seeded():
-    dist = code_distribution(RECORDS, ["category", "rating"])
+    dist = code_distribution(RECORDS, ["category", "rating"], "exact")
     codes = sample_codes(dist, 20000, seed=3)
     assert codes == sample_codes(dist, 20000, seed=3)
     freq = Counter(codes)
@@ -66,30 +69,48 @@ def test_histogram_noise_has_the_calibrated_scale(mechanism, epsilon, delta):
     assert abs(noise.mean()) < 4 * expected_std / math.sqrt(4000)
     if mechanism == "laplace":  # the Laplace shape, not just its variance: mean |noise| = b
         assert np.abs(noise).mean() == pytest.approx(1 / epsilon, rel=0.05)
-    assert dist.epsilon == epsilon and dist.delta == (delta or 0.0) and not dist.domain_from_data
+    assert dist.epsilon == epsilon and dist.delta == (delta or 0.0)
     assert min(dist.probabilities) >= 0 and sum(dist.probabilities) == pytest.approx(1)
 
 
-def test_histogram_without_domain_uses_the_codes_present_and_says_so():
-    dist = code_distribution(RECORDS, ["category", "rating"], "laplace", epsilon=1.0, seed=0)
-    assert sorted(dist.codes, key=str) == sorted({("books", 5), ("books", 1), ("dvd", 4)}, key=str)
-    assert dist.domain_from_data
+def test_dp_histogram_is_the_default_and_needs_a_declared_domain():
+    with pytest.raises(UserError, match="declared code domain"):
+        code_distribution(RECORDS, ["category", "rating"])  # laplace by default; no domain: refused
+    dist = code_distribution(RECORDS, ["category", "rating"], domain=DOMAIN, seed=0)
+    assert dist.mechanism == "laplace" and dist.epsilon == 1.0  # DEFAULT_CODE_EPSILON
+    assert len(dist.codes) == 12 and ("music", 2) in dist.codes  # every declared cell, also empty ones
+    assert "probabilities_from_noisy_counts" in dist.to_dict() and len(dist.to_dict()["noisy_counts"]) == 12
+
+
+def test_a_record_outside_the_domain_is_refused_by_position():
+    records = RECORDS + [{"category": "SECRETCAT", "rating": 5}]
+    with pytest.raises(UserError) as error:
+        code_distribution(records, ["category", "rating"], domain=DOMAIN)
+    assert "Training record 11" in str(error.value) and "SECRETCAT" not in str(error.value)
 
 
 def test_basic_composition_adds_epsilon_and_delta():
-    dist = code_distribution(RECORDS, ["category", "rating"], "gaussian", epsilon=0.5, delta=1e-6, seed=0)
+    dist = code_distribution(RECORDS, ["category", "rating"], "gaussian", epsilon=0.5, delta=1e-6, seed=0,
+                             domain=DOMAIN)
     assert compose_basic(2.0, 1e-5, dist) == {"epsilon": 2.5, "delta": pytest.approx(1.1e-5)}
-    exact = code_distribution(RECORDS, ["category", "rating"])
+    exact = code_distribution(RECORDS, ["category", "rating"], "exact")
     assert compose_basic(2.0, 1e-5, exact) == {"epsilon": 2.0, "delta": 1e-5}
 
 
 def test_bad_inputs_are_user_errors():
     with pytest.raises(UserError):
-        code_distribution(RECORDS, ["category", "stars"])
+        code_distribution(RECORDS, ["category", "stars"], "exact")
     with pytest.raises(UserError):
-        code_distribution(RECORDS, ["category"], "gaussian", epsilon=1.0)  # no δ
+        code_distribution(RECORDS, ["category"], "gaussian", epsilon=1.0, domain=DOMAIN)  # no δ
     with pytest.raises(UserError):
-        code_distribution(RECORDS, ["category"], "laplace")  # no ε
+        code_distribution(RECORDS, ["category"], "laplace", epsilon=0.0, domain=DOMAIN)
     with pytest.raises(UserError):
         code_distribution(RECORDS, [], "exact")
     assert parse_domain("category=books,dvd;rating=1,2") == {"category": ["books", "dvd"], "rating": [1, 2]}
+
+
+def test_whole_number_codes_match_the_declared_domain():
+    records = [{"category": "books", "rating": 5.0}, {"category": "dvd", "rating": 1}]
+    dist = code_distribution(records, ["category", "rating"], "laplace", epsilon=1e6, domain=DOMAIN, seed=0)
+    counts = dict(zip(dist.codes, np.round(dist.noisy_counts)))
+    assert counts[("books", 5)] == 1 and counts[("dvd", 1)] == 1 and sum(counts.values()) == 2

@@ -3,7 +3,7 @@
 For each run: reload the trained model, score its non-members and an equal-size seeded sample of its members
 (SPEC §7: members vs held-out non-members, same size), run the requested attacks on the scores and summarise
 each with AUC, TPR at FPR 1% and 0.1%, the ROC curve and an empirical ε lower bound at the run's δ, next to
-the ε the accountant proved. The report is also written to ``RUN_DIR/mia/report.json``.
+the ε the accountant proved. The report is also written to ``RUN_DIR/mia_not_private/report.json`` (not covered by ε: it scores individual records).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dptext.attacks.bookkeeping import mia_folder, read_records
 from dptext.errors import UserError
 
 ATTACKS = ("loss", "shadow", "lira")
@@ -22,7 +23,6 @@ REPORT = "report.json"
 
 def audited_points(run_path: Path, max_examples: int | None, seed: int) -> tuple[list, list]:
     """(members, non-members) rows: every non-member (or ``max_examples`` of them) and as many members."""
-    from dptext.attacks.bookkeeping import read_records
 
     members, nonmembers = read_records(run_path, "members"), read_records(run_path, "nonmembers")
     if not nonmembers:
@@ -53,7 +53,6 @@ def _score(task: Any, model: Any, rows: list, batch_size: int, output: Any, what
 
 def _reference_scores(target: Any, audited: list, count: int, batch_size: int, output: Any) -> dict[str, Any]:
     """Each reference model's scores on the audited points (all OUT) and on the public pool (half IN)."""
-    from dptext.attacks.bookkeeping import read_records
     from dptext.attacks.references import train_references
     from dptext.attacks.target import load_trained_run
 
@@ -76,7 +75,7 @@ def audit_run(run_dir: str | Path, attacks: tuple[str, ...], references: int = 2
     from dptext.attacks.metrics import attack_summary
     from dptext.attacks.target import load_trained_run
     from dptext.output import Output
-    from dptext.runs import atomic_write_json
+    from dptext.runs import atomic_write_json, write_manifest
 
     output = output or Output(quiet=True)
     unknown = [a for a in attacks if a not in ATTACKS]
@@ -101,7 +100,8 @@ def audit_run(run_dir: str | Path, attacks: tuple[str, ...], references: int = 2
                                          delta=privacy["delta"], confidence=confidence)
                     for name in ATTACKS if name in attacks},
     }
-    atomic_write_json(target.path / "mia" / REPORT, report)
+    atomic_write_json(mia_folder(target.path) / REPORT, report)
+    write_manifest(target.path)
     return report
 
 

@@ -7,13 +7,17 @@ only, so its n, q = B/n and δ = 1/(2n) are those of the data actually trained o
 
 The run directory then holds, written atomically::
 
-    audit/members.jsonl      {"index": i, "record": {...}} for every training record of the data split
-    audit/nonmembers.jsonl   the held-out records, same format
-    audit/public.jsonl       the public pool, same format
-    audit/canaries.json      prefix, vocabulary, secrets and repetition counts
-    audit/split.json         sizes, seed and the n trained on
+    audit_not_private/README.md        says what follows: training records, not covered by ε
+    audit_not_private/members.jsonl    {"index": i, "record": {...}} for every training record of the data split
+    audit_not_private/nonmembers.jsonl the held-out records, same format
+    audit_not_private/public.jsonl     the public pool, same format
+    audit_not_private/canaries.json    prefix, vocabulary, secrets and repetition counts
+    audit_not_private/split.json       sizes, seed and the n trained on
 
-These files contain the training records themselves: the run directory is then as private as the data.
+These files contain the training records themselves (every column, also those the task ignores), so the
+folder's name, its README and the run's ``release.json`` mark it not covered by ε; ``dptext mia`` writes its
+reports and reference runs to ``mia_not_private/`` for the same reason. Model exports (``model/``) never
+include either.
 """
 
 from __future__ import annotations
@@ -26,7 +30,22 @@ from typing import Any
 
 from dptext.errors import UserError
 
-AUDIT_DIR = "audit"
+AUDIT_DIR = "audit_not_private"
+MIA_DIR = "mia_not_private"
+README = "README.md"
+NOT_PRIVATE_README = """# {title}: NOT covered by differential privacy
+
+{body}
+
+Nothing in this folder is protected by the run's (ε, δ): keep it with the private data and never publish or
+ship it. The trained model is in `../model/`; `../release.json` lists what ε covers.
+"""
+AUDIT_README = NOT_PRIVATE_README.format(title="Audit bookkeeping", body=(
+    "These files hold copies of the training records themselves (members, held-out non-members, the public pool, "
+    "every column of each record, also those the task ignores) and the canaries' secrets, for `dptext mia`."))
+MIA_README = NOT_PRIVATE_README.format(title="Membership-inference results", body=(
+    "Attack reports score individual training records; `references/` holds runs trained on subsets of the audit "
+    "pool; canary reports contain the planted secrets."))
 FILES = {"members": "members.jsonl", "nonmembers": "nonmembers.jsonl", "public": "public.jsonl"}
 CANARIES = "canaries.json"
 SPLIT = "split.json"
@@ -106,6 +125,7 @@ def write_audit(run_path: str | Path, split: AuditSplit, trained_on: int) -> Pat
 
     target = Path(run_path) / AUDIT_DIR
     with atomic_directory(target) as staging:
+        (staging / README).write_text(AUDIT_README, encoding="utf-8")
         for name, filename in FILES.items():
             (staging / filename).write_text(_jsonl(getattr(split, name)), encoding="utf-8")
         if split.canaries is not None:
@@ -114,6 +134,16 @@ def write_audit(run_path: str | Path, split: AuditSplit, trained_on: int) -> Pat
         (staging / SPLIT).write_text(json.dumps({**sizes, "seed": split.seed, "trained_on": trained_on}, indent=2),
                                      encoding="utf-8")
     return target
+
+
+def mia_folder(run_path: str | Path) -> Path:
+    """``RUN_DIR/mia_not_private/`` with its README: where attack reports and reference runs go."""
+    from dptext.runs import atomic_write_text
+
+    folder = Path(run_path) / MIA_DIR
+    if not (folder / README).is_file():
+        atomic_write_text(folder / README, MIA_README)
+    return folder
 
 
 def read_records(run_path: str | Path, name: str) -> list[dict[str, Any]]:

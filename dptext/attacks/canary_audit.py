@@ -43,12 +43,12 @@ def _log_perplexities(target: Any, secrets: list[str], prefix: str, batch_size: 
 
 def canary_exposure(run_dir: str | Path, candidates: int = 2000, batch_size: int = 64, output: Any = None,
                     seed: int = 0) -> dict[str, Any]:
-    from dptext.attacks.bookkeeping import read_canaries
+    from dptext.attacks.bookkeeping import mia_folder, read_canaries
     from dptext.attacks.canaries import sample_candidates
     from dptext.attacks.exposure import exposure_from_rank, fitted_exposure, sampled_exposure
     from dptext.attacks.target import load_trained_run
     from dptext.output import Output
-    from dptext.runs import atomic_write_json
+    from dptext.runs import atomic_write_json, write_manifest
 
     output = output or Output(quiet=True)
     target = load_trained_run(run_dir)
@@ -86,5 +86,6 @@ def canary_exposure(run_dir: str | Path, candidates: int = 2000, batch_size: int
               "space_size": space, "log2_space_size": math.log2(space), "candidates": len(pool),
               "exhaustive": exhaustive, "resolution_bits": math.log2(len(pool)), "prefix": prefix,
               "by_repetitions": groups, "canaries": rows}
-    atomic_write_json(Path(target.path) / "mia" / CANARY_REPORT, report)
+    atomic_write_json(mia_folder(target.path) / CANARY_REPORT, report)
+    write_manifest(target.path)
     return report

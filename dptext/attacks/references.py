@@ -6,7 +6,7 @@ exactly like the target but on data that excludes the audited points. The target
 "public" by construction), and reference i trains on a seeded random half of them through ``run_finetune``
 with ``audit.train_indices`` naming that half. Both attacks share the same references: shadow model i's
 members are its half, its non-members the other half of the pool. They live in
-``RUN_DIR/mia/references/ref-NN/`` (complete run directories) and are reused by later audits.
+``RUN_DIR/mia_not_private/references/ref-NN/`` (complete run directories) and are reused by later audits.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from dptext.attacks.bookkeeping import mia_folder, read_records
 from dptext.errors import UserError
 
 REFERENCES = "references"
@@ -56,7 +57,6 @@ def reference_halves(public_indices: list[int], count: int, seed: int) -> list[l
 
 def train_references(target: Any, count: int, output: Any) -> list[dict[str, Any]]:
     """Train (or reuse) ``count`` reference models of the run ``target``; returns [{path, members}] per model."""
-    from dptext.attacks.bookkeeping import read_records
     from dptext.finetune import run_finetune
     from dptext.runs import RunDir
 
@@ -65,7 +65,7 @@ def train_references(target: Any, count: int, output: Any) -> list[dict[str, Any
     public = [row["index"] for row in read_records(target.path, "public")]
     models = []
     for number, half in enumerate(reference_halves(public, count, target.recipe.audit.seed)):
-        path = Path(target.path) / "mia" / REFERENCES / f"ref-{number:02d}"
+        path = mia_folder(target.path) / REFERENCES / f"ref-{number:02d}"
         if not (path / "result.json").is_file():
             output.info(f"Training reference model {number + 1} of {count} on {len(half)} public records "
                         f"({path}).")

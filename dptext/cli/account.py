@@ -17,12 +17,13 @@ Examples:
   dptext account --eps 3 --delta 1e-5 --sample-rate 0.02 --steps 1000
   dptext account --eps 3 --dataset-size 42061 --batch-size 1024 --epochs 10 --schedule exp:0.1
   dptext account --eps 3                      (σ for every shipped recipe)
-  dptext account runs/e2e-20250101-120000     (ε spent by a run so far)
+  dptext account runs/e2e-20250101-120000     (ε spent by a run so far, and what ε covers in it)
+  dptext account synthetic/amazon             (what ε covers in a `dptext synth` folder)
 """
 
 
 def account(
-    run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory: report the ε its ledger has spent.",
+    run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory: the ε its ledger has spent and its release manifest (or a `dptext synth` folder).",
                                                       show_default=False)] = None,
     eps: Annotated[Optional[float], typer.Option("--eps", "--epsilon", help="Target ε: find σ.")] = None,
     sigma: Annotated[Optional[float], typer.Option(
@@ -58,6 +59,8 @@ def account(
     if run_dir is not None:
         if eps is not None or sigma is not None or any(v is not None for v in plan_options) or schedule:
             raise UserError("A RUN_DIR is reported from its own ledger; drop --eps, --sigma and the step options.")
+        if (run_dir / "release.json").is_file() and not (run_dir / "resolved.yaml").is_file():
+            return _report_release(out, run_dir, {"query": "release", "folder": str(run_dir)})  # `dptext synth`
         return _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error)
     if eps is not None and sigma is not None:
         raise UserError("Give either --eps (to find σ) or --sigma (to find ε), not both.")
@@ -152,10 +155,30 @@ def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> No
                  "the ε below holds only while that seed stays secret.")
     out.table(f"ε spent after {ledger.steps} steps", ["method", "ε", "lower", "upper", "note"],
               [[LABELS[r.method], r.epsilon, r.lower, r.upper, r.note] for r in results])
-    out.result({"query": "ledger", "run_dir": str(run_dir), **ledger.to_dict(with_epsilon=False),
-                "results": [r.to_dict() for r in results]})
     if plot:
         _plot(out, ledger.runs, ledger.delta, methods, prv_eps_error, plot, str(run_dir))
+    _report_release(out, run_dir, {"query": "ledger", "run_dir": str(run_dir), **ledger.to_dict(with_epsilon=False),
+                                   "results": [r.to_dict() for r in results]})
+
+
+def _report_release(out, folder: Path, result: dict[str, Any]) -> None:
+    """The folder's release.json: what ε covers, what is a public input, what is not covered and why."""
+    from dptext.release import read_manifest
+
+    manifest = read_manifest(folder)
+    if manifest is None:
+        out.warn(f"{folder} has no release.json (written by an older dptext): what ε covers is not listed.")
+        return out.result(result)
+    groups: dict[tuple, list] = {}  # a folder's files with one status are one row: checkpoints/, model/ ...
+    for item in manifest["files"]:
+        top = item["path"].split("/", 1)[0] + ("/" if "/" in item["path"] else "")
+        groups.setdefault((top, item["status"]), []).append(item)
+    rows = [[top if len(items) == 1 and not top.endswith("/") else f"{top} ({len(items)} files)", status,
+             items[0].get("why") or items[0]["what"]] for (top, status), items in groups.items()]
+    for flag, reason in manifest.get("flags", {}).items():
+        out.warn(f"{flag}: {reason}")
+    out.table(f"What ε covers in {folder}", ["file", "status", "what / why"], rows)
+    out.result({**result, "release": manifest})
 
 
 def _plan_dict(plan) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import List, Optional
 
@@ -43,3 +44,15 @@ def recipe_to_run(recipe: Path | None, overrides: list[str] | None, resume: Path
     if resume is not None and (recipe is not None or overrides):
         raise UserError("--resume continues a run with its own resolved.yaml; drop the recipe and overrides.")
     return load_recipe(recipe, overrides or []) if recipe is not None else None
+
+
+def render_not_covered(output, run_dir: Path) -> None:
+    """Which of the run's files ε does not cover (from release.json), so nobody ships them by mistake."""
+    manifest = run_dir / "release.json"
+    if not manifest.is_file():
+        return
+    folders = sorted({f["path"].split("/")[0] + ("/" if "/" in f["path"] else "")
+                      for f in json.loads(manifest.read_text())["files"] if f["status"] == "not_covered"})
+    if folders:
+        output.info(f"NOT covered by ε (training records or un-noised statistics; never publish): {', '.join(folders)}"
+                    f"; `dptext account {run_dir}` lists what ε covers.")

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from typing_extensions import Annotated
 
-from dptext.cli.common import JsonOption, OutOption, OverridesArgument, ResumeOption, make_output, recipe_to_run
+from dptext.cli.common import (JsonOption, OutOption, OverridesArgument, ResumeOption, make_output, recipe_to_run,
+                               render_not_covered)
 
 
 def distill(
@@ -38,6 +39,7 @@ def render(output, result: dict) -> None:
     output.table(f"{result['recipe']}: student", ["", "value"], rows)
     how = claim.get("composition") or claim.get("note", "")
     output.info(f"Privacy: {how}. Run directory: {result['run_dir']}")
+    render_not_covered(output, Path(result["run_dir"]))
 
 
 def register(app: typer.Typer) -> None:

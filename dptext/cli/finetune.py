@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from typing_extensions import Annotated
 
-from dptext.cli.common import JsonOption, OutOption, OverridesArgument, ResumeOption, make_output, recipe_to_run
+from dptext.cli.common import (JsonOption, OutOption, OverridesArgument, ResumeOption, make_output, recipe_to_run,
+                               render_not_covered)
 
 
 def finetune(
@@ -56,6 +57,8 @@ def render_result(output, result: dict) -> None:
                  ["C (clipping norm)", privacy["max_grad_norm"], None]]
     else:
         rows.append(["privacy", "none (non-private baseline)", None])
+    if privacy.get("privacy_unit"):
+        rows.append(["privacy unit", privacy["privacy_unit"], None])
     rows += [["steps", privacy["steps"], None], ["expected batch", privacy["expected_batch_size"], None],
              ["time (s)", result["seconds"], None]]
     output.table(f"{result['recipe']}: {result['model']} / {result['task']}", ["", "after training",
@@ -72,6 +75,7 @@ def render_result(output, result: dict) -> None:
                 guarantee += " — only while train.seed stays secret (privacy.reproducible_noise=true)"
         output.info(f"Look at: {headline} {change}{result['metrics'][headline]:.4g} after training, {guarantee}.")
     output.info(f"Run directory: {result['run_dir']} (model in {result['model_dir']}, curves in metrics.jsonl)")
+    render_not_covered(output, Path(result["run_dir"]))
 
 
 def headline_epsilon(privacy: dict) -> tuple[str, float]:

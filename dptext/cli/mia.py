@@ -32,7 +32,7 @@ def mia(
         "--candidates", help="canary: secrets sampled from R to rank each canary against.")] = 2000,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Scoring batch size.")] = 32,
     plot: Annotated[Optional[Path], typer.Option(
-        "--plot", help="PNG of the ROC curves (default: FIRST_RUN/mia/roc.png).")] = None,
+        "--plot", help="PNG of the ROC curves (default: FIRST_RUN/mia_not_private/roc.png).")] = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Audit what an attacker learns: membership-inference AUC and TPR at low FPR, or canary exposure."""
@@ -40,12 +40,13 @@ def mia(
     if run_dirs and run_dirs[0] == "canary" and not Path("canary").is_dir():
         return _canary(out, run_dirs[1:], candidates, batch_size)
     from dptext.attacks.audit import ATTACKS, run_mia
+    from dptext.attacks.bookkeeping import mia_folder
     from dptext.attacks.plot import plot_roc, run_label
 
     chosen = ATTACKS if "all" in attack else tuple(dict.fromkeys(attack))
     reports = run_mia(run_dirs, chosen, references=references, max_examples=max_examples, batch_size=batch_size,
                       output=out)
-    target = plot or Path(reports[0]["run_dir"]) / "mia" / "roc.png"
+    target = plot or mia_folder(reports[0]["run_dir"]) / "roc.png"
     plot_roc(reports, target)
     rows = []
     for report in reports:

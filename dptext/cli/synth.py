@@ -15,13 +15,16 @@ def synth(
     teacher: Annotated[Path, typer.Argument(help="Finished `dptext finetune` run of the control-coded DP teacher.")],
     out: Annotated[Path, typer.Option("--out", help="Folder for the synthetic data; an unfinished one is resumed.")],
     n: Annotated[int, typer.Option("--n", help="Synthetic records to generate.")] = 1000,
-    codes: Annotated[str, typer.Option("--codes", help="Code distribution: exact (the paper; not DP), laplace or "
-                                       "gaussian (a DP histogram whose ε is added to the teacher's).")] = "exact",
-    code_epsilon: Annotated[Optional[float], typer.Option("--code-epsilon", help="ε of the DP code histogram.")] = None,
+    codes: Annotated[str, typer.Option("--codes", help="Code distribution: laplace or gaussian (a DP histogram over "
+                                       "the declared code domain whose ε is added to the teacher's), or exact (the "
+                                       "paper's private frequencies: the output is marked NOT covered by ε).")
+                     ] = "laplace",
+    code_epsilon: Annotated[Optional[float], typer.Option("--code-epsilon", help="ε of the DP code histogram "
+                                                          "(default 1 for laplace).")] = None,
     code_delta: Annotated[Optional[float], typer.Option("--code-delta", help="δ of the Gaussian histogram.")] = None,
     code_domain: Annotated[Optional[str], typer.Option(
-        "--code-domain", help="Every possible code, fixed without the data: 'category=books,dvd;rating=1,2,4,5'. "
-        "Without it the histogram's cells are the codes present in the data (their set is then not protected).")] = None,
+        "--code-domain", help="Every possible code, fixed without the data: 'category=books,dvd;rating=1,2,4,5' "
+        "(default: task.code_domain of the teacher's recipe).")] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="Sample from the k most likely tokens (0: all).")] = 50,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.9,
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature.")] = 1.0,
@@ -32,8 +35,8 @@ def synth(
                                                        help="Share of records in validation.jsonl.")] = 0.01,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the codes, the split and the sampling.")] = 0,
     check_training_copies: Annotated[bool, typer.Option(
-        "--check-training-copies", help="Count synthetic texts that copy a private training text (reads the private "
-        "data; the count is for the data owner).")] = False,
+        "--check-training-copies", help="Count synthetic texts that copy a private training text into "
+        "training_copies_not_private.json (reads the private data; not covered by ε, for the data owner).")] = False,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
     max_chunks: Annotated[Optional[int], typer.Option(
         "--max-chunks", help="Stop after this many batches (run again to continue).")] = None,
@@ -72,8 +75,9 @@ def render(output, out: Path, summary: dict) -> None:
             ["exact duplicate rate", summary["exact_duplicate_rate"]],
             ["examples/s (this session)", speed["examples_per_second"]],
             ["ε (teacher + codes)", privacy["epsilon"]], ["δ", privacy["delta"]]]
-    if "training_text_copies" in summary:
-        rows.append(["copies of private training texts", summary["training_text_copies"]["count"]])
+    copies = out / "training_copies_not_private.json"
+    if copies.is_file():
+        rows.append(["copies of private training texts (not covered)", json.loads(copies.read_text())["count"]])
     output.table(f"Synthetic data in {out}", ["", "value"], rows)
     output.info(f"Privacy: {privacy['composition']}; {privacy['note']}.")
 

@@ -16,6 +16,13 @@ Li et al. 2021): hub ``AlekseyKorshuk/persona-chat`` (Parquet; train 17,878 dial
 131,438 responses, validation 1,000 -> 7,801). Each utterance row has the dialog so far
 (``history``) and candidate responses whose last one is the true response. ConvAI2's test
 set is hidden, so ``test`` reads the official validation split, as Li et al. report.
+
+Privacy unit: DP-SGD protects one *record*, and a record here is one message (the response) with the dialog so
+far as its prompt. A message therefore also sits in the history of every later record of its dialog: removing
+it changes its own record and up to every later one in that dialog, so the (ε, δ) of a run protects a single
+record, while one message (or a whole dialog, or one speaker) of a dialog with k later turns is covered only by
+group privacy over those k + 1 records (roughly (k+1)·ε, with δ growing too). Runs say so in ``result.json``
+(``privacy.privacy_unit``); user-level DP (one dialog per unit) is not implemented.
 """
 
 from __future__ import annotations

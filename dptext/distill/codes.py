@@ -1,21 +1,23 @@
 """The control-code distribution synthetic data is conditioned on (DistilDP, SPEC §6 step 3).
 
 Codes are categorical attributes of the private records ("Category: books || Rating: 4").
-The paper samples them from the *exact* private distribution, which leaks a little (the counts
-are a function of the data). ``code_distribution`` offers that and a DP histogram instead:
+The paper samples them from the *exact* private distribution, which is not DP (the frequencies
+are a function of the data). ``code_distribution`` draws them from a DP histogram by default:
 
-* ``exact``     — empirical frequencies of the teacher's training codes; no privacy claim for
-  the counts (stated in the provenance, as the paper does).
 * ``laplace``   — counts + Laplace(1/ε_h) noise per cell: ε_h-DP (add/remove one record changes one
-  cell by 1, so the L1 sensitivity is 1).
+  cell by 1, so the L1 sensitivity is 1). The default of ``dptext synth``.
 * ``gaussian``  — counts + N(0, σ_h²) per cell with σ_h calibrated so that the Gaussian mechanism
   (L2 sensitivity 1, exactly (1/σ_h)-GDP) is (ε_h, δ_h)-DP (analytic Gaussian mechanism,
   Balle & Wang 2018; the δ(ε) of a μ-GDP mechanism is in ``dptext.accounting.gdp``).
+* ``exact``     — the paper's empirical frequencies; only on explicit request, and the output is
+  then marked not covered by ε (``release.json``, provenance).
 
-Noisy counts are clipped at 0 and normalised. The histogram's cells must be fixed without
-looking at the data for the noise to protect which codes exist: pass ``domain`` (every possible
-code); without it the domain is read from the data and the provenance says that its *support*
-is not protected. The histogram's (ε_h, δ_h) is added to the teacher's by basic composition.
+The histogram's cells are the declared code domain (``task.code_domain`` of the teacher's recipe,
+or ``--code-domain``): every possible code, fixed from public documentation without looking at
+the data, so the noise protects which codes occur as well as how often. A DP histogram without a
+declared domain is refused (its cells would publish the codes present), and so is a training
+record whose code lies outside the domain (by its position, never its value). Noisy counts are
+clipped at 0 and normalised; (ε_h, δ_h) is added to the teacher's by basic composition.
 """
 
 from __future__ import annotations
@@ -26,13 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from dptext.errors import UserError
+from dptext.tasks.label_sets import canonical, check_code_domain
 
-MECHANISMS = ("exact", "laplace", "gaussian")
+MECHANISMS = ("laplace", "gaussian", "exact")
+DEFAULT_CODE_EPSILON = 1.0  # Laplace histogram's ε when none is given: 16 cells of ~30 records keep their shape
 
 
 @dataclass
 class CodeDistribution:
-    """Codes (tuples of field values), their sampling probabilities, and what it cost in privacy."""
+    """Codes (tuples of field values), their sampling probabilities, and what it cost in privacy.
+
+    ``noisy_counts`` are the DP histogram's counts (empty for ``exact``, whose exact private counts are never
+    stored); for ``exact`` the probabilities are the exact private frequencies and are saved under a key
+    that says so."""
 
     fields: list[str]
     codes: list[tuple]
@@ -41,21 +49,28 @@ class CodeDistribution:
     epsilon: float = 0.0
     delta: float = 0.0
     noise_scale: float | None = None
-    domain_from_data: bool = True
     noisy_counts: list[float] = field(default_factory=list)
 
+    @property
+    def probability_key(self) -> str:
+        return "exact_private_frequencies" if self.mechanism == "exact" else "probabilities_from_noisy_counts"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"fields": self.fields, "mechanism": self.mechanism, "epsilon": self.epsilon, "delta": self.delta,
-                "noise_scale": self.noise_scale, "domain_from_data": self.domain_from_data,
-                "codes": [list(c) for c in self.codes], "probabilities": self.probabilities,
-                "noisy_counts": self.noisy_counts}
+        data = {"fields": self.fields, "mechanism": self.mechanism, "epsilon": self.epsilon, "delta": self.delta,
+                "noise_scale": self.noise_scale, "codes": [list(c) for c in self.codes],
+                self.probability_key: self.probabilities}
+        if self.mechanism != "exact":
+            data["noisy_counts"] = self.noisy_counts
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CodeDistribution":
+        probabilities = next(data[k] for k in ("probabilities_from_noisy_counts", "exact_private_frequencies",
+                                               "probabilities") if k in data)
         return cls(fields=list(data["fields"]), codes=[tuple(c) for c in data["codes"]],
-                   probabilities=list(data["probabilities"]), mechanism=data["mechanism"],
+                   probabilities=list(probabilities), mechanism=data["mechanism"],
                    epsilon=data["epsilon"], delta=data["delta"], noise_scale=data["noise_scale"],
-                   domain_from_data=data["domain_from_data"], noisy_counts=list(data.get("noisy_counts", [])))
+                   noisy_counts=list(data.get("noisy_counts", [])))
 
 
 def gaussian_sigma(epsilon: float, delta: float) -> float:
@@ -83,7 +98,7 @@ def code_of(record: dict[str, Any], fields: Sequence[str]) -> tuple:
     return tuple(record[f] for f in fields)
 
 
-def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], mechanism: str = "exact", *,
+def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], mechanism: str = "laplace", *,
                       epsilon: float | None = None, delta: float | None = None,
                       domain: dict[str, list] | None = None, seed: int = 0) -> CodeDistribution:
     """The distribution codes are sampled from, by ``mechanism`` (see the module docstring)."""
@@ -98,19 +113,18 @@ def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], 
     if mechanism == "exact":
         codes = sorted(counts, key=str)
         total = sum(counts.values())
-        return CodeDistribution(list(fields), codes, [counts[c] / total for c in codes], "exact",
-                                noisy_counts=[float(counts[c]) for c in codes])
-    if domain:
-        unknown = [f for f in fields if f not in domain]
-        if unknown:
-            raise UserError(f"The code domain lists no values for {unknown}; give every code field its values.")
-        codes = list(itertools.product(*(domain[f] for f in fields)))
-    else:
-        codes = sorted(counts, key=str)
+        return CodeDistribution(list(fields), codes, [counts[c] / total for c in codes], "exact")
+    if not domain:
+        raise UserError("A DP code histogram needs the declared code domain: set task.code_domain in the teacher's "
+                        "recipe or pass --code-domain 'field=v1,v2;...' (or --codes exact, which is not covered by ε).")
+    check_code_domain(records, fields, domain)
+    codes = list(itertools.product(*(domain[f] for f in fields)))
+    exact = np.array([sum(n for code, n in counts.items() if list(map(canonical, code)) == list(map(canonical, cell)))
+                      for cell in codes], dtype=float)
     rng = np.random.default_rng(seed)
-    exact = np.array([counts.get(c, 0) for c in codes], dtype=float)
     if mechanism == "laplace":
-        if not epsilon or epsilon <= 0:
+        epsilon = DEFAULT_CODE_EPSILON if epsilon is None else epsilon
+        if epsilon <= 0:
             raise UserError("The Laplace code histogram needs --code-epsilon > 0.")
         scale, eps, dlt = 1.0 / epsilon, float(epsilon), 0.0
         noisy = exact + rng.laplace(0.0, scale, size=len(codes))
@@ -122,8 +136,7 @@ def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], 
     if clipped.sum() <= 0:
         raise UserError("Every noisy code count is 0 (too much noise for this little data); raise --code-epsilon.")
     probabilities = (clipped / clipped.sum()).tolist()
-    return CodeDistribution(list(fields), codes, probabilities, mechanism, eps, dlt, scale,
-                            domain_from_data=not domain, noisy_counts=noisy.tolist())
+    return CodeDistribution(list(fields), codes, probabilities, mechanism, eps, dlt, scale, noisy_counts=noisy.tolist())
 
 
 def sample_codes(distribution: CodeDistribution, n: int, seed: int) -> list[tuple]:
@@ -163,5 +176,5 @@ def parse_domain(text: str | None) -> dict[str, list] | None:
     return domain
 
 
-__all__ = ["CodeDistribution", "MECHANISMS", "code_distribution", "sample_codes", "gaussian_sigma",
+__all__ = ["CodeDistribution", "MECHANISMS", "DEFAULT_CODE_EPSILON", "code_distribution", "sample_codes", "gaussian_sigma",
            "total_variation", "compose_basic", "parse_domain"]

@@ -204,7 +204,7 @@ def run_zero_shot(recipe: Any, out: str | Path | None, output: Any) -> dict[str,
               "metrics": metrics, "metrics_before_training": {}, "method": "zero_shot", "student": description,
               "privacy": claim, "privacy_claim": claim, "model_dir": str(run.path / STUDENT_DIR),
               "teacher_run": teacher["privacy"]["teacher_run"] if teacher else None, "seconds": time.monotonic() - started}
-    run.save_result(result)
+    run.save_result(result, [])  # the zero-shot student is the public model itself
     return result
 
 

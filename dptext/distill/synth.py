@@ -1,21 +1,24 @@
 """``synthesize``: DP synthetic text from a DP-fine-tuned teacher, conditioned on control codes.
 
 DistilDP step 3 (SPEC §6). The teacher is a finished ``dptext finetune`` run directory (its
-``model/``, ``resolved.yaml`` and ``result.json`` with ε). Codes are drawn from the code
-distribution of the teacher's training set (exact, as the paper, or a DP histogram, see
-``dptext.distill.codes``) and each one prompts the teacher, which samples the text with
-top-k / top-p / temperature up to ``max_new_tokens``. Sampling from a DP model is
+``model/``, ``resolved.yaml`` and ``result.json`` with ε). Codes are drawn from a DP histogram
+of the teacher's training codes over the declared code domain (``task.code_domain`` or
+``--code-domain``; the paper's exact distribution only with ``--codes exact``, which marks the
+output not covered; see ``dptext.distill.codes``) and each one prompts the teacher, which samples
+the text with top-k / top-p / temperature up to ``max_new_tokens``. Sampling from a DP model is
 post-processing; the privacy of the output is the teacher's plus the histogram's (basic
 composition), recorded in ``provenance.json`` so the claim travels with the data.
 
-Output folder::
+Output folder (every file registered in ``dptext.release``, listed with its status in ``release.json``)::
 
-    plan.json          codes of every record (drawn once), split, settings: the resume contract
+    plan.json          settings, the code histogram, codes of every record (drawn once), split: the resume contract
     chunks/            part-NNNNN.jsonl, one batch each, written atomically while generating
     train.jsonl        records {<code fields>, "code", "text", "tokens", "index"} (when complete)
     validation.jsonl
-    summary.json       code coverage, lengths, duplicates, throughput
+    summary.json       code coverage, lengths, duplicates, throughput (of the synthetic records only)
     provenance.json    teacher run, its ε/δ and accountant, code mechanism and its ε, total ε
+    training_copies_not_private.json   with --check-training-copies: copies of private texts (not covered)
+    release.json       what ε covers
 
 Resuming: a batch's sampling RNG is seeded from (seed, batch index) alone, and a batch is
 either fully on disk or not at all, so an interrupted run continued later writes exactly
@@ -34,9 +37,10 @@ from typing import Any, Sequence
 from dptext.distill.codes import (CodeDistribution, code_distribution, compose_basic, sample_codes,
                                   total_variation)
 from dptext.errors import UserError
-from dptext.runs import RunDir, atomic_write_json, atomic_write_text, provenance
+from dptext.runs import RunDir, atomic_write_json, atomic_write_text, provenance, write_manifest
 
 PLAN, SUMMARY, PROVENANCE = "plan.json", "summary.json", "provenance.json"
+TRAINING_COPIES = "training_copies_not_private.json"
 CHUNKS = "chunks"
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
 SEED_STRIDE = 1_000_003  # batch b of seed s samples with torch seed s·STRIDE + b
@@ -79,13 +83,10 @@ def combined_privacy(teacher: dict[str, Any], codes: CodeDistribution) -> dict[s
         return {"epsilon": None, "delta": None, "composition": "none", "note": teacher["note"]}
     total = compose_basic(teacher["epsilon"], teacher["delta"], codes)
     if codes.mechanism == "exact":
-        note = ("codes sampled from the EXACT private code distribution (as in the paper): the code frequencies are "
-                "not protected and not counted in ε")
-    elif codes.domain_from_data:
-        note = ("DP code histogram over the codes present in the data: the counts are protected, the set of codes "
-                "that occur is not (give --code-domain for a fully DP histogram)")
+        note = ("NOT COVERED: codes sampled from the EXACT private code distribution (--codes exact, as in the "
+                "paper); the code frequencies are not protected and not counted in ε")
     else:
-        note = "DP code histogram over a fixed code domain: counts and support protected"
+        note = "DP code histogram over the declared code domain: counts and support protected"
     return {**total, "composition": "basic: ε = ε_teacher + ε_codes, δ = δ_teacher + δ_codes", "note": note}
 
 
@@ -101,7 +102,7 @@ def make_plan(info: dict[str, Any], n: int, settings: dict[str, Any], code_setti
     records = load_records(recipe.data, "train")  # exactly the teacher's training set
     distribution = code_distribution(records, recipe.task.control_codes, code_settings["mechanism"],
                                      epsilon=code_settings["epsilon"], delta=code_settings["delta"],
-                                     domain=code_settings["domain"], seed=seed)
+                                     domain=code_settings["domain"] or recipe.task.code_domain or None, seed=seed)
     codes = sample_codes(distribution, n, seed)
     n_validation = int(round(validation_fraction * n))
     validation = sorted(np.random.default_rng(seed + 1).choice(n, size=n_validation, replace=False).tolist())
@@ -202,7 +203,7 @@ def read_chunks(out: Path) -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------- summary
 
-def summarize(records: list[dict[str, Any]], plan: dict[str, Any], training_texts: list[str] | None) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
     distribution = CodeDistribution.from_dict(plan["distribution"])
     sampled = [tuple(plan["codes"][r["index"]]) for r in records]
     support = [c for c, p in zip(distribution.codes, distribution.probabilities) if p > 0]
@@ -221,17 +222,20 @@ def summarize(records: list[dict[str, Any]], plan: dict[str, Any], training_text
         "empty_texts": sum(not t for t in texts),
         "exact_duplicate_rate": 1 - len(counts) / len(texts),
     }
-    if training_texts is not None:
-        private = {t.strip() for t in training_texts}
-        summary["training_text_copies"] = {
-            "count": sum(t in private for t in texts), "rate": sum(t in private for t in texts) / len(texts),
-            "note": "computed against the PRIVATE training texts: for the data owner, not for publication"}
     return summary
+
+
+def training_copies(records: list[dict[str, Any]], training_texts: list[str]) -> dict[str, Any]:
+    """Synthetic texts equal to a private training text: an exact statistic of the private data (not covered)."""
+    private = {t.strip() for t in training_texts}
+    copies = sum(r["text"] in private for r in records)
+    return {"count": copies, "rate": copies / len(records),
+            "note": "computed against the PRIVATE training texts: NOT covered by ε, for the data owner only"}
 
 
 # --------------------------------------------------------------------------- entry point
 
-def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: str = "exact",
+def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: str = "laplace",
                code_epsilon: float | None = None, code_delta: float | None = None,
                code_domain: dict[str, list] | None = None, top_k: int = 50, top_p: float = 0.9,
                temperature: float = 1.0, max_new_tokens: int = 128, batch_size: int = 32,
@@ -259,6 +263,7 @@ def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: 
                 "batch_size": batch_size, "validation_fraction": validation_fraction}
     code_settings = {"mechanism": code_mechanism, "epsilon": code_epsilon, "delta": code_delta, "domain": code_domain}
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, "synth", ["exact_codes"] if code_mechanism == "exact" else [])  # before any other file
     plan = load_or_make_plan(out, lambda: make_plan(info, n, settings, code_settings, validation_fraction, seed),
                              settings, n, seed)
     model, tokenizer = load_model(str(info["model_dir"]), head="causal_lm")
@@ -282,11 +287,14 @@ def finish(out: Path, plan: dict[str, Any], info: dict[str, Any], speed: dict[st
     for split, name in SPLIT_FILES.items():
         atomic_write_text(out / name, "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                               for r in records if r["split"] == split))
-    training = [r["text"] for r in load_records(info["recipe"].data, "train")] if check_training_copies else None
-    summary = {**summarize(records, plan, training), "throughput_this_session": speed}
+    summary = {**summarize(records, plan), "throughput_this_session": speed}
+    if check_training_copies:
+        training = [r["text"] for r in load_records(info["recipe"].data, "train")]
+        atomic_write_json(out / TRAINING_COPIES, training_copies(records, training))
     atomic_write_json(out / SUMMARY, summary)
     distribution = CodeDistribution.from_dict(plan["distribution"])
-    codes = {k: v for k, v in distribution.to_dict().items() if k not in ("codes", "probabilities", "noisy_counts")}
+    codes = {k: v for k, v in distribution.to_dict().items()
+             if k not in ("codes", "noisy_counts", distribution.probability_key)}
     atomic_write_json(out / PROVENANCE, {
         "kind": "dptext synthetic data (DistilDP)", "teacher": info["privacy"],
         "teacher_model": str(info["model_dir"].resolve()), "teacher_recipe": info["recipe"].name,
@@ -295,4 +303,5 @@ def finish(out: Path, plan: dict[str, Any], info: dict[str, Any], speed: dict[st
         "control_codes": info["recipe"].task.control_codes, "code_distribution": codes,
         "privacy": combined_privacy(info["privacy"], distribution),
         "generation": plan["settings"], "n": plan["n"], "seed": plan["seed"], "software": provenance()})
+    write_manifest(out, "synth")
     return summary

@@ -1,8 +1,9 @@
 """``run_finetune``: one fine-tuning run from recipe to result, in its run directory.
 
 What the CLI calls and tests call. A run writes resolved.yaml and provenance.json first, then
-metrics.jsonl as it trains, checkpoints and ledger.json, the trained model in ``model/`` and
-finally result.json. ``resume=RUN_DIR`` reopens such a directory and continues from its newest
+metrics.jsonl (ε spent) and diagnostics_not_private.jsonl (exact losses, realised batch sizes) as it
+trains, checkpoints and ledger.json, the trained model in ``model/``, finally result.json and release.json
+(the release status of every file, ``dptext.release``). ``resume=RUN_DIR`` reopens such a directory and continues from its newest
 complete checkpoint with the same recipe, the same samples, the same noise and the same privacy
 account.
 
@@ -43,10 +44,21 @@ def save_model(training: Any, run: RunDir) -> Path:
     return target
 
 
+DIALOG_UNIT = ("one message (a record: the response with the dialog so far as its prompt); a message also sits "
+               "in the history of every later record of its dialog, so one message, a whole dialog or one speaker "
+               "is covered only by group privacy over the records it appears in (about (k+1)·ε for k later turns)")
+
+
+def privacy_unit(task_type: str) -> str:
+    """What one unit of the DP guarantee is for this task (what add/remove-one changes)."""
+    return DIALOG_UNIT if task_type == "dialog" else "one training record (one line / example of the data)"
+
+
 def privacy_summary(training: Any) -> dict[str, Any]:
     recipe, plan = training.recipe, training.plan
     summary = {"private": training.private, "steps": plan.steps, "sample_rate": plan.sample_rate,
-               "expected_batch_size": plan.sample_rate * plan.dataset_size, "dataset_size": plan.dataset_size}
+               "expected_batch_size": plan.sample_rate * plan.dataset_size, "dataset_size": plan.dataset_size,
+               "privacy_unit": privacy_unit(recipe.task.type)}
     if not training.private:
         return {**summary, "note": "non-private baseline: no clipping, no noise, no privacy guarantee"}
     return {**summary, "noise_multiplier": training.noise_multiplier,
@@ -56,6 +68,15 @@ def privacy_summary(training: Any) -> dict[str, Any]:
             "epsilon": {r.method: r.to_dict() for r in training.ledger.report()},
             "method": recipe.privacy.method, "mechanism": training.engine.mechanism(),
             "noise_schedule": [{"noise_multiplier": r.noise_multiplier, "steps": r.steps} for r in training.ledger.runs]}
+
+
+def release_flags(training: Any) -> list[str]:
+    """Why the run's outputs might lack the DP guarantee (``dptext.release.FLAG_REASONS``)."""
+    claim = training.info.get("privacy_claim") or {}
+    if training.private or claim.get("private"):
+        exact = claim.get("code_distribution", {}).get("mechanism") == "exact"
+        return ["exact_codes"] if exact else []
+    return ["non_private"]
 
 
 def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str | Path | None = None,
@@ -107,7 +128,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     if recipe.eval.before_training and start_step == 0:
         before = evaluate(training.final_records)
         run.log_metrics({"step": 0, "split": recipe.eval.split, "before_training": True, **before})
-    last = run_loop(training, run, output, start_step, evaluate)
+    run_loop(training, run, output, start_step, evaluate)
     final = evaluate(training.final_records)
     run.log_metrics({"step": training.plan.steps, "split": recipe.eval.split, **final})
     if not dist.is_writer:
@@ -117,12 +138,12 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     result = {
         "run_dir": str(run.path), "recipe": recipe.name, "model": recipe.model.name, "task": recipe.task.type,
         "eval_split": recipe.eval.split, "primary_metric": training.task.primary_metric,
-        "metrics": final, "metrics_before_training": before, "final_train_loss": last.get("loss"),
+        "metrics": final, "metrics_before_training": before,
         "privacy": privacy_summary(training), "model_dir": str(model_dir),
         "physical_batch_size": training.physical_batch_size, **training.info,
         "seconds": time.monotonic() - started,
     }
-    run.save_result(result)
+    run.save_result(result, release_flags(training))
     release()
     return result
 
@@ -139,3 +160,5 @@ def _announce(training: Any, output: Any) -> None:
     else:
         line += "; NON-PRIVATE baseline (privacy.enabled=false)"
     output.info(line)
+    if training.private and recipe.task.type == "dialog":
+        output.info(f"Privacy unit: {DIALOG_UNIT}.")

@@ -16,6 +16,7 @@ from dptext.errors import UserError
 
 CPU_PHYSICAL_BATCH = 16  # CPU RAM is rarely the limit at these model sizes; an OOM there kills the process
 GPU_PROBE_START = 256
+PROBE_WORD = "the"  # filler of the memory probe's synthetic examples: a public word every tokenizer knows
 
 
 @dataclass
@@ -206,12 +207,32 @@ def build_training(recipe: Any) -> Training:
     else:  # no clipping or noise: the non-private baseline of the same recipe (its batches need no secret)
         sampling = privacy.sampling if not dist.active else "poisson"
         training.sampler = make_sampler(len(train), plan.sample_rate, plan.steps, recipe.train.seed, sampling, dist)
-    training.physical_batch_size = recipe.train.physical_batch_size or choose_physical_batch_size(training)
+    training.physical_batch_size = recipe.train.physical_batch_size or choose_physical_batch_size(training, train)
     return training
 
 
-def choose_physical_batch_size(training: Training) -> int:
-    """The largest power-of-two micro-batch (≤ expected batch) that survives a step on the longest examples (GPU).
+def probe_records(template: dict[str, Any], count: int, max_length: int) -> list[dict[str, Any]]:
+    """``count`` synthetic records with the training records' fields (the schema, not their values) filled with
+    a public word up to the maximum length: strings of ``max_length`` words, lists of ``max_length`` items,
+    numbers 0. The memory probe runs on these, never on private examples, so the size it finds is public."""
+    def fill(value: Any) -> Any:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)):
+            return 0
+        if isinstance(value, list):
+            return [fill(value[0]) if value else PROBE_WORD] * max_length
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        return " ".join([PROBE_WORD] * max_length)
+
+    record = {key: fill(value) for key, value in template.items()}
+    return [record] * count
+
+
+def choose_physical_batch_size(training: Training, train_records: list) -> int:
+    """The largest power-of-two micro-batch (≤ expected batch) that survives a step on maximum-length synthetic
+    examples (GPU; ``probe_records``: no private example enters the probe, so the size is a public choice).
 
     On CPU a fixed size is used: host memory rarely limits these models, and running out of it kills the
     process instead of raising an error we could recover from. The micro-batch size does not change privacy.
@@ -221,8 +242,8 @@ def choose_physical_batch_size(training: Training) -> int:
     expected = max(1, int(round(training.plan.sample_rate * len(training.examples))))
     if training.device.type != "cuda":
         return min(CPU_PHYSICAL_BATCH, expected)
-    longest = sorted(training.examples, key=lambda e: len(e.input_ids), reverse=True)
     size = min(GPU_PROBE_START, expected)
+    longest = training.task.encode(probe_records(train_records[0], size, training.recipe.data.max_length))
     while size > 1:
         try:
             batch = {k: v.to(training.device) for k, v in training.task.collate(longest[:size]).items()}

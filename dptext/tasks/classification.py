@@ -1,7 +1,10 @@
 """Sentence(-pair) classification with a classification head on any encoder (or decoder).
 
-Records carry ``text`` (and ``text_pair`` for pair tasks such as QNLI/MNLI/QQP) and an integer
-``label``; the metric is accuracy. The head is new and randomly initialised, as in Li et al.'s
+Records carry ``text`` (and ``text_pair`` for pair tasks such as QNLI/MNLI/QQP) and a ``label``; the metric
+is accuracy. The classes are declared, never counted from the data (``dptext.tasks.label_sets``): the
+recipe's ``task.labels`` or the dataset's published label names give the head's size, a label is mapped
+through them, and a training record with a label outside them is refused before training (or mapped to
+``task.other_label``). The head is new and randomly initialised, as in Li et al.'s
 "full fine-tuning with a classification head" rows.
 """
 
@@ -10,23 +13,11 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from dptext import metrics
+from dptext.data import label_names
 from dptext.errors import UserError
 from dptext.tasks.base import Task, batches
-from dptext.tasks.encoding import Example
-
-
-def count_labels(dataset: str, records: Sequence[dict[str, Any]]) -> int:
-    """Classes from the dataset's label names, else from the labels seen in training records."""
-    from dptext.data import label_names
-
-    names = label_names(dataset)
-    if names:
-        return len(names)
-    labels = {r.get("label") for r in records}
-    if None in labels or not all(isinstance(label, int) for label in labels):
-        raise UserError("Classification needs an integer 'label' in every training record; "
-                        "set data.label_column to the column holding the class.")
-    return max(labels) + 1
+from dptext.tasks.encoding import IGNORE_INDEX, Example
+from dptext.tasks.label_sets import check_records, class_index, declared_classes, other_index
 
 
 class ClassificationTask(Task):
@@ -36,7 +27,19 @@ class ClassificationTask(Task):
 
     def __init__(self, recipe: Any, tokenizer: Any, train_records: Sequence[dict[str, Any]]):
         super().__init__(recipe, tokenizer)
-        self._num_labels = count_labels(recipe.data.dataset, train_records)
+        self.classes = declared_classes(recipe, label_names(recipe.data.dataset))
+        self._num_labels = len(self.classes)
+        self.other = other_index(recipe, self.classes, "task.labels")
+        check_records(train_records, lambda r: class_index(r.get("label"), self.classes) is not None,
+                      self.other is not None, "label", "task.labels")
+
+    def label_index(self, record: dict[str, Any]) -> int:
+        """The record's class id; an undeclared label (evaluation only: training refused it) is the "other" class
+        when the recipe has one, else ignored by the loss and scored wrong."""
+        index = class_index(record["label"], self.classes)
+        if index is not None:
+            return index
+        return self.other if self.other is not None else IGNORE_INDEX
 
     @property
     def num_labels(self) -> int:
@@ -61,7 +64,7 @@ class ClassificationTask(Task):
                                 "(e.g. GLUE test) cannot be scored, use the validation split.")
             encoded = self.tokenizer(record["text"], record.get("text_pair"), truncation=True,
                                      max_length=self.max_length)
-            extra = {"label": int(record["label"])}
+            extra = {"label": self.label_index(record)}
             if "token_type_ids" in encoded:
                 extra["token_type_ids"] = encoded["token_type_ids"]
             examples.append(Example(input_ids=encoded["input_ids"], labels=[], extra=extra))

@@ -2,9 +2,12 @@
 word embedding, then two bi-LSTM layers. ``model.name: clc`` (the paper's sizes) or ``tiny-clc`` (tests), with
 ``task.type: intent_slot``, which puts its intent and slot heads (and the optional CRF) on top.
 
-Vocabularies (words, characters) come from the training split (``WordTokenizer.fit``). The paper initialises
-the word embeddings from pretrained FastText vectors; those are not available offline, so here they start
-random (a stated difference).
+Vocabularies are public and fixed, never built from the training split (a vocabulary read off the private
+records would ship every word they contain with the model): the words are the whole-word entries of the
+pretrained minilm-l6 (BERT uncased) WordPiece vocabulary, the characters printable ASCII
+(``WordTokenizer.public``); anything else is <unk>. The paper initialises the word embeddings from pretrained
+FastText vectors (whose vocabulary is public too); those are not available offline, so here they start random
+(a stated difference).
 
 Privacy: every parameter has a per-example rule. The char CNN is an ``nn.Embedding`` and an ``nn.Linear`` over
 unfolded character windows (the engine's own rules); the recurrent layers are ``BiLSTM`` modules written with
@@ -16,6 +19,8 @@ product, registered below), in every clipping mode.
 from __future__ import annotations
 
 import json
+import re
+import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,12 +29,15 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_outputs import BaseModelOutput
 
+from dptext.models import load_tokenizer
 from dptext.privacy.norms import register_rule
 from dptext.privacy.norms.functional import FunctionalRule
 
 PAD, UNK = 0, 1
 VOCAB_FILE = "clc_vocabulary.json"
 MAX_WORD_CHARS = 20  # longer words keep their first 20 characters
+WHOLE_WORD = re.compile(r"[a-z0-9][a-z0-9'\-]*")
+_PUBLIC: tuple[list[str], list[str]] | None = None
 
 
 @dataclass
@@ -55,7 +63,7 @@ SIZES = {  # the paper: two bi-LSTM layers of 384; FastText's 300-d words; Ma & 
 
 
 class WordTokenizer:
-    """Word and character ids from vocabularies built on the training split (0 = padding, 1 = unknown)."""
+    """Word and character ids from a public vocabulary (0 = padding, 1 = unknown)."""
 
     pad_token_id = PAD
 
@@ -63,10 +71,16 @@ class WordTokenizer:
         self.words = {w: i for i, w in enumerate(["<pad>", "<unk>", *words])}
         self.chars = {c: i for i, c in enumerate(["<pad>", "<unk>", *chars])}
 
-    def fit(self, records: Sequence[dict[str, Any]]) -> "WordTokenizer":
-        tokens = [t for r in records for t in r["tokens"]]
-        self.__init__(sorted({t.lower() for t in tokens}), sorted({c for t in tokens for c in t}))
-        return self
+    @classmethod
+    def public(cls) -> "WordTokenizer":
+        """The fixed public vocabulary: minilm-l6's whole words (no ## pieces, no [special] tokens) and the
+        printable ASCII characters. Loaded once per process: every clc run sees the same ids."""
+        global _PUBLIC
+        if _PUBLIC is None:
+            pieces = load_tokenizer("minilm-l6").get_vocab()
+            words = sorted(w for w in pieces if WHOLE_WORD.fullmatch(w))
+            _PUBLIC = (words, sorted(set(string.printable) - set(string.whitespace)))
+        return cls(*_PUBLIC)
 
     def encode_words(self, tokens: Sequence[str]) -> tuple[list[int], list[list[int]]]:
         words = [self.words.get(t.lower(), UNK) for t in tokens]

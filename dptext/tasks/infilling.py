@@ -107,7 +107,7 @@ class InfillingTask(ClassificationTask):
             if len(positions) != 1:  # pragma: no cover - guarded above; a tokenizer quirk would land here
                 raise UserError("The filled infilling template does not contain exactly one mask token.")
             examples.append(Example(input_ids=ids[:self.max_length], labels=[],
-                                    extra={"label": int(record["label"]), "mask_position": positions[0]}))
+                                    extra={"label": self.label_index(record), "mask_position": positions[0]}))
         return examples
 
     def collate(self, examples: Sequence[Example]) -> dict[str, Any]:

@@ -8,8 +8,12 @@ others carry -100. Loss per example = intent cross-entropy + slot loss, where th
 cross-entropy (reduced per ``task.loss_reduction``), or with ``task.crf: true`` the negative log-likelihood of a
 linear-chain CRF over the words (divided by the word count when the reduction is "mean"), as in the paper.
 
-Labels come from the training split; an intent or tag seen only in evaluation can never be predicted and is
-scored as an error. Words cut off by ``data.max_length`` are predicted ``O``. Metrics (``dptext.metrics``):
+The intents and slot types are declared in the recipe (``task.intents``, ``task.slot_types``: public, from the
+dataset's documentation; see ``dptext.tasks.label_sets``), never read from the training records, so the saved
+``intent_slot_labels.json`` and the heads' shapes hold only declared labels. A training record with an
+undeclared intent or tag is refused before training (or, with ``task.other_label``, its intent becomes that
+intent and its undeclared tags O); an undeclared label in evaluation can never be predicted and is scored as an
+error. Words cut off by ``data.max_length`` are predicted ``O``. Metrics (``dptext.metrics``):
 ``intent_acc``, span-level ``slot_f1`` (conlleval), ``ser`` (semantic error rate, the primary metric, lower is
 better) and ``sentence_acc`` (intent and every tag right), all in percent over the evaluated split.
 """
@@ -30,6 +34,7 @@ from dptext.tasks.clc import SIZES as CLC_SIZES
 from dptext.tasks.clc import build_clc
 from dptext.tasks.crf import CRF
 from dptext.tasks.encoding import IGNORE_INDEX, Example
+from dptext.tasks.label_sets import check_records, declared_intents_and_tags, other_index
 
 HEADS_FILE = "intent_slot_heads.pt"
 LABELS_FILE = "intent_slot_labels.json"
@@ -86,15 +91,11 @@ def word_emissions(slot_logits: torch.Tensor, word_index: torch.Tensor) -> torch
     return slot_logits.gather(1, word_index.unsqueeze(-1).expand(-1, -1, slot_logits.shape[-1]))
 
 
-def label_vocabulary(records: Sequence[dict[str, Any]]) -> tuple[list[str], list[str]]:
-    """Sorted intents and BIO tags of the training records ("O" always included)."""
+def check_record_fields(records: Sequence[dict[str, Any]]) -> None:
     for record in records:
         if not {"tokens", "tags", "intent"} <= set(record):
             raise UserError("intent_slot needs records with tokens, tags and intent (data.dataset=atis or snips); "
-                            f"got a record with {sorted(record)}.")
-    intents = sorted({r["intent"] for r in records})
-    tags = sorted({t for r in records for t in r["tags"]} | {"O"})
-    return intents, tags
+                            f"got a record with the fields {sorted(record)}.")
 
 
 class IntentSlotTask(Task):
@@ -104,13 +105,20 @@ class IntentSlotTask(Task):
 
     def __init__(self, recipe: Any, tokenizer: Any, train_records: Sequence[dict[str, Any]]):
         super().__init__(recipe, tokenizer)
-        self.intents, self.tags = label_vocabulary(train_records)
+        check_record_fields(train_records)
+        self.intents, self.tags = declared_intents_and_tags(recipe)
         self.intent_ids = {name: i for i, name in enumerate(self.intents)}
         self.tag_ids = {name: i for i, name in enumerate(self.tags)}
+        # training labels outside the declared sets: refused, or (task.other_label) the "other" intent and O
+        self.other_intent = other_index(recipe, self.intents, "task.intents")
+        mapped = self.other_intent is not None
+        check_records(train_records, lambda r: r["intent"] in self.intent_ids, mapped, "intent", "task.intents")
+        check_records(train_records, lambda r: all(t in self.tag_ids for t in r["tags"]), mapped, "slot tag",
+                      "task.slot_types")
+        self.unknown_intent = self.other_intent if mapped else IGNORE_INDEX
+        self.unknown_tag = self.tag_ids["O"] if mapped else IGNORE_INDEX
         self.use_crf = recipe.task.crf
         self.clc = recipe.model.name in CLC_SIZES  # word-level bi-LSTM encoder: one position per word
-        if self.clc:
-            tokenizer.fit(train_records)
 
     def load_model(self):
         from dptext.models import load_model
@@ -143,11 +151,11 @@ class IntentSlotTask(Task):
             if not first:
                 raise UserError(f"data.max_length={self.max_length} leaves no word of an utterance after the "
                                 "special tokens; raise data.max_length.")
-            word_tags = [self.tag_ids.get(tag, IGNORE_INDEX) for tag in record["tags"][:len(first)]]
+            word_tags = [self.tag_ids.get(tag, self.unknown_tag) for tag in record["tags"][:len(first)]]
             labels = [IGNORE_INDEX] * len(word_ids)
             for pos, tag in zip(first, word_tags):
                 labels[pos] = tag
-            extra = {"intent": self.intent_ids.get(record["intent"], IGNORE_INDEX), "word_index": first,
+            extra = {"intent": self.intent_ids.get(record["intent"], self.unknown_intent), "word_index": first,
                      "word_tags": word_tags}
             if "token_type_ids" in encoded:
                 extra["token_type_ids"] = encoded["token_type_ids"][row]
@@ -157,9 +165,9 @@ class IntentSlotTask(Task):
     def _encode_words(self, record: dict[str, Any]) -> Example:
         tokens = record["tokens"][:self.max_length]
         words, chars = self.tokenizer.encode_words(tokens)
-        tags = [self.tag_ids.get(tag, IGNORE_INDEX) for tag in record["tags"][:len(tokens)]]
+        tags = [self.tag_ids.get(tag, self.unknown_tag) for tag in record["tags"][:len(tokens)]]
         return Example(input_ids=words, labels=tags, extra={
-            "intent": self.intent_ids.get(record["intent"], IGNORE_INDEX), "word_index": list(range(len(words))),
+            "intent": self.intent_ids.get(record["intent"], self.unknown_intent), "word_index": list(range(len(words))),
             "word_tags": tags, "char_ids": chars})
 
     def collate(self, examples: Sequence[Example]) -> dict[str, Any]:

@@ -1,0 +1,174 @@
+"""What ε covers: the one registry of every file a run directory or a synthetic-data folder may contain.
+
+Each output is registered with a status:
+
+* ``covered``     — a function of the DP-trained model / DP histogram and public inputs only: ε bounds what it
+  reveals about any one training record.
+* ``public``      — a public input copied into the output: the recipe, the pretrained model's tokenizer, the
+  declared label sets and code domains, software versions.
+* ``not_covered`` — computed from the private records without a DP mechanism (audit files, exact per-step
+  losses, checkpoints holding the sampler's and noise generator's states); each entry says why.
+
+``write_manifest`` lists every file under the folder in ``release.json`` with its status and fails on a file
+no entry matches, and ``check_registered`` (called by ``dptext.runs.atomic_write``) refuses to write one: a new
+output cannot appear without a status. Patterns are ``fnmatch`` globs on the POSIX path relative to the
+folder; the first match wins, so specific entries come before the catch-alls of their folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any, Iterable
+
+from dptext.errors import UserError
+
+COVERED, PUBLIC, NOT_COVERED = "covered", "public", "not_covered"
+MANIFEST = "release.json"
+STATUSES = {
+    COVERED: "bounded by the run's (ε, δ): reveals about one training record at most what ε allows",
+    PUBLIC: "a public input copied into the output (recipe, pretrained tokenizer, declared label sets, versions)",
+    NOT_COVERED: "computed from private records without noise: keep it with the private data, never publish it",
+}
+# Conditions under which a whole output loses its guarantee; entries marked ``dp_result`` turn not_covered.
+FLAG_REASONS = {
+    "non_private": "the run trained without differential privacy (privacy.enabled=false): nothing it learnt is DP",
+    "exact_codes": "control codes follow the EXACT private code distribution (--codes exact), which is not DP",
+}
+
+
+class UnregisteredOutput(UserError):
+    """A file without a release status inside a run directory or synth folder: a bug in dptext when dptext chose
+    the name (register it in dptext/release.py), a user's choice when the user named it (e.g. a --plot path)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    pattern: str
+    status: str
+    what: str
+    why: str = ""
+    dp_result: bool = False  # derived from the DP mechanism: loses its cover under a flag of FLAG_REASONS
+
+
+_TOKENIZER = "the pretrained model's tokenizer, saved unchanged (never trained on the data)"
+_MODEL_WEIGHTS = "weights and configuration of the model trained with DP-SGD"
+
+RUN_ENTRIES = (
+    Entry(MANIFEST, PUBLIC, "this manifest"),
+    Entry("resolved.yaml", PUBLIC, "the recipe as it ran, with its declared label sets and code domains"),
+    Entry("provenance.json", PUBLIC, "git revision, package versions, command line, machine"),
+    Entry("ledger.json", COVERED, "q, σ per step, δ and ε per accountant",
+          "functions of the settings and of n; n (the training-set size) is treated as public, as in DP-SGD "
+          "accounting", dp_result=True),
+    Entry("metrics.jsonl", COVERED, "per logged step: step, epoch, ε spent; evaluation metrics",
+          "ε depends on the settings only; evaluation scores are post-processing of the DP model on the "
+          "evaluation split (which is not a training set: ε says nothing about its records)", dp_result=True),
+    Entry("diagnostics_not_private.jsonl", NOT_COVERED,
+          "per logged step: exact mean training loss, realised Poisson batch size, seconds",
+          "un-noised statistics of the sampled private batches: the batch size alone tells whether a record "
+          "was sampled"),
+    Entry("result.json", COVERED, "final evaluation, privacy summary, settings", "as metrics.jsonl",
+          dp_result=True),
+    Entry("model/intent_slot_labels.json", PUBLIC, "the declared intents and BIO slot tags (task.intents, "
+          "task.slot_types)"),
+    Entry("model/clc_vocabulary.json", PUBLIC, "the clc encoder's fixed character set (no words of the data)"),
+    Entry("model/tokenizer*", PUBLIC, _TOKENIZER),
+    Entry("model/special_tokens_map.json", PUBLIC, _TOKENIZER),
+    Entry("model/added_tokens.json", PUBLIC, _TOKENIZER),
+    Entry("model/vocab.*", PUBLIC, _TOKENIZER),
+    Entry("model/merges.txt", PUBLIC, _TOKENIZER),
+    Entry("model/chat_template.jinja", PUBLIC, _TOKENIZER),
+    Entry("model/*", COVERED, _MODEL_WEIGHTS, "DP-SGD; post-processing of the noisy gradients", dp_result=True),
+    Entry("student_init/*", PUBLIC, "the student's initial weights, cut from a public pretrained model"),
+    Entry("student.json", PUBLIC, "which layers of which public model the student keeps"),
+    Entry("checkpoints/LATEST", COVERED, "the step of the newest checkpoint"),
+    Entry("checkpoints/*.pt", NOT_COVERED, "model, optimizer, sampler, noise-generator and RNG states for resuming",
+          "the sampler's and noise generator's states regenerate the sampled batches and the noise; share "
+          "model/ instead"),
+    Entry("audit_not_private/*", NOT_COVERED, "member / non-member / public records and canaries for `dptext mia`",
+          "copies of the training records themselves"),
+    Entry("mia_not_private/*", NOT_COVERED, "membership-inference reports, ROC plots and reference runs",
+          "scores of individual training records and models trained without DP guarantees on their subsets"),
+)
+
+SYNTH_ENTRIES = (
+    Entry(MANIFEST, PUBLIC, "this manifest"),
+    Entry("plan.json", COVERED, "settings, the DP code histogram (noisy counts, sampling probabilities), the codes "
+          "drawn from it, the validation indices", "Laplace/Gaussian histogram over the declared code domain",
+          dp_result=True),
+    Entry("chunks/part-*.jsonl", COVERED, "generated records, one batch per file",
+          "sampled from the DP teacher, prompted with codes from the DP histogram", dp_result=True),
+    Entry("train.jsonl", COVERED, "synthetic training records", "as chunks/", dp_result=True),
+    Entry("validation.jsonl", COVERED, "synthetic validation records", "as chunks/", dp_result=True),
+    Entry("summary.json", COVERED, "code coverage, lengths, duplicates, throughput of the synthetic records",
+          "statistics of the synthetic data only (a count against private texts goes to training_copies_not_"
+          "private.json)", dp_result=True),
+    Entry("training_copies_not_private.json", NOT_COVERED, "how many synthetic texts copy a private training text",
+          "compares with the private training texts exactly (--check-training-copies); for the data owner"),
+    Entry("provenance.json", PUBLIC, "teacher run, its ε/δ, the code mechanism and its ε, software versions"),
+)
+
+REGISTRIES = {"run": RUN_ENTRIES, "synth": SYNTH_ENTRIES}
+
+
+def _match(pattern: str, relative: str) -> bool:
+    # "dir/*" also covers everything below dir/ (fnmatch's * crosses "/") and the folder itself
+    return fnmatch(relative, pattern) or (pattern.endswith("/*") and relative == pattern[:-2])
+
+
+def entry_for(relative: str, kind: str) -> Entry:
+    for entry in REGISTRIES[kind]:
+        if _match(entry.pattern, relative):
+            return entry
+    raise UnregisteredOutput(f"'{relative}' has no release status in this {kind} output (release.json); write your "
+                             "own files outside it (if dptext chose the name, register it in dptext/release.py).")
+
+
+def status_of(entry: Entry, flags: Iterable[str]) -> tuple[str, str]:
+    """(status, why) of ``entry`` under the output's flags."""
+    lost = [FLAG_REASONS[f] for f in flags if f in FLAG_REASONS]
+    if entry.dp_result and lost:
+        return NOT_COVERED, "; ".join(lost)
+    return entry.status, entry.why
+
+
+def _files(root: Path) -> list[str]:
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # staging folders of atomic writes
+        for name in sorted(files):
+            if not name.startswith("."):  # temp files of atomic writes
+                found.append((Path(folder) / name).relative_to(root).as_posix())
+    return found
+
+
+def manifest(root: str | Path, kind: str, flags: Iterable[str] = ()) -> dict[str, Any]:
+    """The manifest of ``root``: every file with its status; raises UnregisteredOutput on an unknown file."""
+    root, flags = Path(root), sorted(set(flags))
+    files = []
+    for relative in sorted(set(_files(root)) | {MANIFEST}):
+        entry = entry_for(relative, kind)
+        status, why = status_of(entry, flags)
+        files.append({"path": relative, "status": status, "what": entry.what, **({"why": why} if why else {})})
+    return {"kind": kind, "flags": {f: FLAG_REASONS[f] for f in flags}, "statuses": STATUSES, "files": files}
+
+
+def read_manifest(root: str | Path) -> dict[str, Any] | None:
+    path = Path(root) / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def check_registered(path: str | Path) -> Path | None:
+    """Refuse to write ``path`` inside a folder that has a manifest when no entry of its kind lists it; returns
+    that folder (the nearest one with a release.json), or None when ``path`` lies in no such folder."""
+    path = Path(path).absolute()
+    for root in list(path.parents)[:6]:
+        found = read_manifest(root) if (root / MANIFEST).is_file() else None
+        if found is not None:
+            entry_for(path.relative_to(root).as_posix(), found.get("kind", "run"))
+            return root
+    return None
