@@ -173,6 +173,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def read_lines(path: str | Path) -> list[str]:
+    """The non-empty lines of a text file split at '\\n' only (a trailing '\\r' dropped).
+
+    Not ``str.splitlines()``: that also splits at U+0085, U+2028 and other characters that JSON written with
+    ``ensure_ascii=False`` keeps inside a string, tearing the record in two.
+    """
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    return [line.removesuffix("\r") for line in lines if line.strip()]
+
+
 class RunDir:
     """One run's directory. Create with ``RunDir.create``; reopen for resume with ``RunDir.open``."""
 
@@ -252,7 +262,7 @@ class RunDir:
         if not path.exists():
             return []
         records = []
-        for line in path.read_text().splitlines():
+        for line in read_lines(path):
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:  # a line torn by a crash mid-write

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import shlex
 import sys
 
 import click
@@ -63,6 +64,13 @@ def _say_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
+def _usage_sentence(exc: click.exceptions.ClickException, args: list[str]) -> str:
+    """Click's several-line usage error as one sentence naming the option and where help is."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    command = getattr(getattr(exc, "ctx", None), "command_path", None) or "dptext"
+    return f"{message}; see `{command} --help`."
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("DPTEXT_DEBUG") == "1"
@@ -77,10 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.ClickException as exc:
         if debug:
             raise
-        exc.show()
-        sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        _say_error("interrupted; an interrupted run can be continued with --resume RUN_DIR.")
+        _say_error(_usage_sentence(exc, args))
+        sys.exit(2 if isinstance(exc, click.exceptions.UsageError) else exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
+        run_dir = getattr(exc, "run_dir", None)
+        if run_dir is not None:  # a training loop stopped cleanly after a step (dptext.finetune.loop)
+            command = next((a for a in args if not a.startswith("-")), "finetune")
+            _say_error(f"{exc}; continue with: dptext {command} --resume {shlex.quote(str(run_dir))}")
+        else:
+            _say_error("interrupted; an interrupted run can be continued with --resume RUN_DIR.")
         sys.exit(130)
     except Exception as exc:  # a bug, not a user mistake
         if debug:

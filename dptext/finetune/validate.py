@@ -111,3 +111,14 @@ def check_records(recipe: Any, records: list, split: str = "train") -> None:
 
 def _ranges(ids: list[int]) -> str:
     return f"{ids[0]}–{ids[-1]}" if len(ids) > 2 and ids[-1] - ids[0] == len(ids) - 1 else ", ".join(map(str, ids))
+
+
+def validate_local_data(recipe: Any) -> None:
+    """`dptext check`: read the training split when it is on this machine (never the hub) and check its records."""
+    from dptext.data import load_records
+
+    if recipe.data.path or dataset_info(recipe.data.dataset).offline:
+        records = load_records(recipe.data, "train")
+        if not records:
+            raise UserError("The training split is empty; check data.path and data.max_train_examples.")
+        check_records(recipe, records, "train")
