@@ -105,8 +105,7 @@ def load_splits(recipe: Any) -> tuple[list, list, list]:
         raise UserError("The training split is empty; check data.path and data.max_train_examples.")
     validation = load_records(recipe.data, "validation")
     final = validation if recipe.eval.split == "validation" else load_records(recipe.data, "test")
-    for split, records in (("train", train), ("validation", validation), (recipe.eval.split, final)):
-        check_records(recipe, records, split)
+    check_records(recipe, {"train": train, "validation": validation, recipe.eval.split: final})
     return train, validation, final
 
 

@@ -81,32 +81,39 @@ def validate_run(recipe: Any, out: str | Path | None = None, check_out: bool = T
         check_output_dir(out)
 
 
-def check_records(recipe: Any, records: list, split: str = "train") -> None:
+def check_records(recipe: Any, splits: dict[str, list]) -> None:
     """Bad data that would otherwise surface after training starts (or never): all-empty texts, class ids
     that are negative, beyond the dataset's classes, or skip classes (a stray 7 in 0/1 data)."""
-    texts = [r.get("text") for r in records if isinstance(r, dict) and "text" in r]
-    if texts and all(not str(t or "").strip() for t in texts):
-        raise UserError(f"Every 'text' in the {split} split is empty; check data.text_column and the file.")
+    for split, records in splits.items():
+        texts = [r.get("text") for r in records if isinstance(r, dict) and "text" in r]
+        if texts and all(not str(t or "").strip() for t in texts):
+            raise UserError(f"Every 'text' in the {split} split is empty; check data.text_column and the file.")
     if recipe.task.type not in LABELLED_TASKS:
         return
     names = dataset_info(recipe.data.dataset).label_names
-    seen: dict[int, int] = {}  # class id -> first record (1-based) holding it
-    for number, record in enumerate(records, start=1):
-        label = record.get("label") if isinstance(record, dict) else None
-        if not isinstance(label, int) or isinstance(label, bool):
-            continue  # missing or non-integer labels are the task's to map or refuse
-        if label < 0 or (names is not None and label >= len(names)):
-            allowed = f"0..{len(names) - 1}" if names is not None else "0 or more"
-            raise UserError(f"Record {number} of the {split} split has label {label}, but class ids must be "
-                            f"{allowed}; fix that record (or data.label_column).")
-        seen.setdefault(label, number)
-    if names is None and seen and split == "train":
+    seen: dict[int, str] = {}  # class id -> where it first occurs
+    for split, records in splits.items():
+        for number, record in enumerate(records, start=1):
+            label = record.get("label") if isinstance(record, dict) else None
+            if not isinstance(label, int) or isinstance(label, bool):
+                continue  # missing or non-integer labels are the task's to map or refuse
+            where = f"record {number} of the {split} split ({_snippet(record)})"
+            if label < 0 or (names is not None and label >= len(names)):
+                allowed = f"0..{len(names) - 1}" if names is not None else "0 or more"
+                raise UserError(f"The {where} has label {label}, but class ids must be {allowed}; fix that "
+                                "record (or data.label_column).")
+            seen.setdefault(label, where)
+    if names is None and seen:
         missing = sorted(set(range(max(seen) + 1)) - set(seen))
         if missing:
             top = max(seen)
-            raise UserError(f"Record {seen[top]} of the train split has label {top} but labels {_ranges(missing)} "
-                            f"never occur, which would build a {top + 1}-class head; fix the stray label or "
-                            "number the classes 0..K-1.")
+            raise UserError(f"The {seen[top]} has label {top} but labels {_ranges(missing)} never occur, which "
+                            f"would build a {top + 1}-class head; fix the stray label or number the classes 0..K-1.")
+
+
+def _snippet(record: dict) -> str:
+    text = " ".join(str(record.get("text", "")).split())
+    return repr(text[:40] + ("…" if len(text) > 40 else ""))
 
 
 def _ranges(ids: list[int]) -> str:
@@ -118,7 +125,9 @@ def validate_local_data(recipe: Any) -> None:
     from dptext.data import load_records
 
     if recipe.data.path or dataset_info(recipe.data.dataset).offline:
-        records = load_records(recipe.data, "train")
-        if not records:
+        # own files (data.path) in full; a packaged corpus only its training split, which is what costs time
+        names = ("train", "validation", recipe.eval.split) if recipe.data.path else ("train",)
+        splits = {split: load_records(recipe.data, split) for split in dict.fromkeys(names)}
+        if not splits["train"]:
             raise UserError("The training split is empty; check data.path and data.max_train_examples.")
-        check_records(recipe, records, "train")
+        check_records(recipe, splits)
