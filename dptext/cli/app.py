@@ -17,7 +17,7 @@ import click
 import typer
 
 import dptext
-from dptext.errors import UserError
+from dptext.errors import RunInterrupted, UserError
 
 HELP = """Differentially private language models.
 
@@ -87,14 +87,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _say_error(_usage_sentence(exc, args))
         sys.exit(2 if isinstance(exc, click.exceptions.UsageError) else exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
-        run_dir = getattr(exc, "run_dir", None)
-        if run_dir is not None:  # a training loop stopped cleanly after a step (dptext.finetune.loop)
-            command = next((a for a in args if not a.startswith("-")), "finetune")
-            _say_error(f"{exc}; continue with: dptext {command} --resume {shlex.quote(str(run_dir))}")
-        else:
-            _say_error("interrupted; an interrupted run can be continued with --resume RUN_DIR.")
+    except RunInterrupted as exc:  # a training loop stopped cleanly after a step (dptext.finetune.loop)
+        command = next((a for a in args if not a.startswith("-")), "finetune")
+        _say_error(f"{exc}; continue with: dptext {command} --resume {shlex.quote(str(exc.run_dir))}")
         sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        code = 130
     except Exception as exc:  # a bug, not a user mistake
         if debug:
             raise
@@ -103,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
             "Re-run with --debug for the traceback and please report it."
         )
         sys.exit(1)
+    if code == 130:  # Typer turns Ctrl-C into a silent exit 130
+        _say_error("interrupted; an interrupted run can be continued with --resume RUN_DIR.")
     sys.exit(code if isinstance(code, int) else 0)
 
 

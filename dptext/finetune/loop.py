@@ -14,7 +14,7 @@ import math
 import time
 from typing import Any
 
-from dptext.errors import UserError
+from dptext.errors import RunInterrupted, UserError
 from dptext.runs import RunDir, capture_rng_state, restore_rng_state
 
 
@@ -119,14 +119,6 @@ def save_checkpoint(training: Any, run: RunDir, step: int) -> None:
     run.save_checkpoint(checkpoint_state(training, step), step)
     if training.private:
         run.save_ledger(training.ledger.to_dict())
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during training, after the current step was finished and checkpointed."""
-
-    def __init__(self, run_dir: Any, step: int):
-        super().__init__(f"interrupted after step {step} (checkpoint written)")
-        self.run_dir, self.step = run_dir, step
 
 
 class _StopFlag:
