@@ -173,3 +173,19 @@ def test_13_check_is_fast_and_accepts_a_good_recipe(capsys):
     started = time.monotonic()
     code, err = cli(["check", str(QUICKSTART)], capsys)
     assert code == 0 and time.monotonic() - started < 30, err  # reads IMDB's 25,000 training reviews
+
+
+def test_11_dptext_data_shows_labels_lengths_and_empty_texts(tmp_path, capsys):
+    data = own_data(tmp_path, labels=[0, 1, 7] * 8, texts=["", "two words", "three more words"] * 8)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as code:
+        main(["data", "jsonl", "--path", str(data), "--split", "train", "--json"])
+    shown = json.loads(capsys.readouterr().out)["statistics"]["train"]
+    assert code.value.code == 0 and set(shown["labels"]) == {"0", "1", "7"}
+    assert shown["empty_texts"] == shown["labels"]["0"]  # the empty texts are exactly the class-0 records
+    from dptext.data.summary import split_statistics
+
+    stats = split_statistics([{"text": "", "label": 0}, {"text": "two words", "label": 1},
+                              {"text": "a b c", "label": 7}, {"text": "  ", "label": 7}])
+    assert stats["empty_texts"] == 2 and stats["words"] == {"min": 0, "median": 1.0, "max": 3}
+    assert stats["labels"] == {"7": 2, "0": 1, "1": 1}
