@@ -30,7 +30,7 @@ from typing import Any
 
 from dptext.distill.synth import PROVENANCE, teacher_info
 from dptext.errors import UserError
-from dptext.models import check_model_name
+from dptext.model_check import check_model_name
 from dptext.runs import RunDir, atomic_write_json
 
 STUDENT_DIR = "student_init"

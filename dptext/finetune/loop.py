@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import threading
 import time
 from typing import Any
 
@@ -130,9 +132,6 @@ def stop_after_step(enabled: bool = True):
     """The first Ctrl-C (SIGINT) asks the loop to stop after the current step; a second one stops at once.
 
     Not under torchrun: ranks would stop at different steps and wait for each other forever."""
-    import signal
-    import threading
-
     flag = _StopFlag()
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield flag

@@ -16,7 +16,7 @@ from typing import Any
 
 from dptext.data import dataset_info
 from dptext.errors import UserError
-from dptext.models import check_model_name
+from dptext.model_check import check_model_name
 from dptext.runs import RunDir
 
 # objectives that read a class label from each record, and the readers whose records carry none
