@@ -61,8 +61,8 @@ def train_step(training: Any, indices: list[int]) -> tuple[float | None, int]:
             count += len(chunk)
         if units:
             training.engine.close_unit()
-    if not math.isfinite(total):  # before the step: the weights are still the last finite ones
-        raise NonFiniteError("loss")
+    if not math.isfinite(total) and not distributed:  # before the step: the weights are still the last finite ones
+        raise NonFiniteError("loss")  # (under torchrun the weight check after the step stops every rank alike)
     if training.private:
         training.engine.step()  # an empty batch still takes a (noise-only) step and is accounted
     elif distributed:
@@ -158,9 +158,10 @@ def weights_finite(training: Any) -> bool:
 
 def stop_non_finite(training: Any, run: RunDir, step: int, what: str, checkpoint: bool) -> None:
     """Stop with one sentence; keep the last finite state as a checkpoint when the weights still hold it."""
-    if checkpoint:
-        save_checkpoint(training, run, step - 1)
     latest = run.latest_checkpoint()
+    if checkpoint and (latest is None or latest.name != f"step-{step - 1:08d}.pt"):
+        save_checkpoint(training, run, step - 1)
+        latest = run.latest_checkpoint()
     kept = (f"the last finite state is {latest}" if latest is not None
             else "no checkpoint holds a finite state")
     raise NonFiniteError(f"Training stopped at step {step}: a {what} became NaN or infinite ({kept}); lower "
