@@ -24,15 +24,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from dptext.constraints import bounds_text, check_relations, check_value
 from dptext.errors import UserError
 
 
-def doc(default: Any, text: str, **kwargs: Any) -> Any:
-    """A dataclass field with a default and its user-facing documentation."""
+def doc(default: Any, text: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+        lt: float | None = None, excludes: str | None = None, only_with: tuple[str, Any] | None = None) -> Any:
+    """A dataclass field with a default, its user-facing documentation and its declared constraints.
+
+    ``ge``/``gt``/``le``/``lt`` bound a number (checked on load, shown by `dptext check --schema`); ``excludes``
+    names a key that must not also be set (the two are alternatives); ``only_with=(key, value)`` says a
+    non-default value only means something when ``key`` has ``value``. Declared here, once, so every key added
+    later is checked the same way (see ``dptext.constraints``).
+    """
+    metadata = {"doc": text, "bounds": (ge, gt, le, lt), "excludes": excludes, "only_with": only_with}
     if isinstance(default, (list, dict)):
         factory = (lambda d: (lambda: type(d)(d)))(default)
-        return field(default_factory=factory, metadata={"doc": text}, **kwargs)
-    return field(default=default, metadata={"doc": text}, **kwargs)
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def section(cls: type, text: str) -> Any:
@@ -48,29 +57,30 @@ class ModelConfig:
     adaptation: Literal["full", "lora", "bias", "top_n", "retrain"] = doc(
         "full", "Which parameters train: all (full), LoRA adapters, biases only, the top N layers, or all from a "
         "random initialisation (retrain), as in Li et al. Table 2.")
-    lora_rank: int = doc(8, "LoRA rank r (adaptation=lora).")
-    lora_alpha: float = doc(16.0, "LoRA scaling alpha (adaptation=lora).")
-    top_n_layers: int = doc(2, "Number of top transformer layers to train (adaptation=top_n).")
+    lora_rank: int = doc(8, "LoRA rank r (adaptation=lora).", ge=1)
+    lora_alpha: float = doc(16.0, "LoRA scaling alpha (adaptation=lora).", gt=0)
+    top_n_layers: int = doc(2, "Number of top transformer layers to train (adaptation=top_n).", ge=1)
     untie_embeddings: bool = doc(False, "Give the LM head its own copy of the input embedding. Off by default: "
                                  "dptext clips tied weights exactly.")
 
 
 @dataclass
 class DataConfig:
-    dataset: str = doc("e2e", "Dataset reader: e2e, dart, sst2, qnli, mnli, qqp, atis, snips, amazon, imdb, "
-                       "yelp, chitchat, personachat, news, jsonl, csv, tsv (`dptext data --help`).")
+    dataset: Optional[str] = doc(None, "Dataset reader: e2e, dart, sst2, qnli, mnli, qqp, atis, snips, amazon, "
+                                 "imdb, yelp, chitchat, personachat, news, jsonl, csv, tsv (`dptext data --help`). "
+                                 "Empty: jsonl/csv/tsv from data.path's extension, e2e when no path is set.")
     path: Optional[str] = doc(None, "Local file or folder to read; empty means the Hugging Face hub "
                               "(or the installed package for imdb/chitchat/news).")
     text_column: Optional[str] = doc(None, "Text column for generic jsonl/csv data.")
     label_column: Optional[str] = doc(None, "Label column for generic jsonl/csv data.")
-    max_train_examples: Optional[int] = doc(None, "Use only the first N training examples (after the seeded split).")
-    max_eval_examples: Optional[int] = doc(None, "Evaluate on only the first N validation/test examples.")
+    max_train_examples: Optional[int] = doc(None, "Use only the first N training examples (after the seeded split).", ge=1)
+    max_eval_examples: Optional[int] = doc(None, "Evaluate on only the first N validation/test examples.", ge=0)
     sample_seed: Optional[int] = doc(None, "Take max_train_examples / max_eval_examples as a seeded random sample "
                                      "of the split (kept in file order) instead of its first N records; files "
-                                     "sorted by class or category need it for a representative slice.")
-    max_length: int = doc(128, "Maximum tokens per example; longer examples are truncated.")
-    validation_fraction: float = doc(0.1, "Held-out fraction when the source has no validation split.")
-    split_seed: int = doc(0, "Seed of the deterministic split for sources without official splits.")
+                                     "sorted by class or category need it for a representative slice.", ge=0)
+    max_length: int = doc(128, "Maximum tokens per example; longer examples are truncated.", ge=1)
+    validation_fraction: float = doc(0.1, "Held-out fraction when the source has no validation split.", ge=0, lt=1)
+    split_seed: int = doc(0, "Seed of the deterministic split for sources without official splits.", ge=0)
 
 
 @dataclass
@@ -104,10 +114,11 @@ class TaskConfig:
 @dataclass
 class PrivacyConfig:
     enabled: bool = doc(True, "Train with differential privacy; false gives the non-private baseline of the same recipe.")
-    target_epsilon: Optional[float] = doc(8.0, "Target ε for the whole run; σ is calibrated to it.")
-    delta: Optional[float] = doc(None, "Target δ; empty means 1/(2n) for n training examples (Li et al.).")
-    noise_multiplier: Optional[float] = doc(None, "Use this σ instead of calibrating from target_epsilon.")
-    max_grad_norm: float = doc(0.1, "Per-example clipping norm C (Li et al. use 0.1).")
+    target_epsilon: Optional[float] = doc(8.0, "Target ε for the whole run; σ is calibrated to it.", gt=0)
+    delta: Optional[float] = doc(None, "Target δ; empty means 1/(2n) for n training examples (Li et al.).", gt=0, lt=1)
+    noise_multiplier: Optional[float] = doc(None, "Use this σ instead of calibrating from target_epsilon.", gt=0,
+                                            excludes="privacy.target_epsilon")
+    max_grad_norm: float = doc(0.1, "Per-example clipping norm C (Li et al. use 0.1).", gt=0)
     accountant: Literal["rdp", "prv", "pld", "gdp"] = doc(
         "rdp", "Accountant that calibrates σ and reports the run: rdp, prv (its upper bound) or pld; all four are "
         "reported, but gdp (a CLT approximation, not a bound) is refused for training.")
@@ -126,7 +137,7 @@ class PrivacyConfig:
         "decaying schedule.")
     edp_micro_batches_per_device: int = doc(
         1, "edp_sgd: clipping units (micro-batch slots) per process; example i belongs to slot i mod (processes·K), "
-        "fixed by index. More slots = more signal per step, one backward pass each.")
+        "fixed by index. More slots = more signal per step, one backward pass each.", ge=1)
     edp_scaling: Literal["uniform", "public", "first_step"] = doc(
         "uniform", "edp_sgd: per-parameter-tensor scaling α (clip and noise in the α-scaled space): uniform α=1, "
         "measured on public examples (edp_public_path; no privacy cost), or on the first private training "
@@ -135,10 +146,12 @@ class PrivacyConfig:
         None, "edp_scaling=public: file or folder of PUBLIC examples in the training data's format (read with "
         "data.dataset's reader, its train split); they must not be private data.")
     edp_public_examples: int = doc(64, "edp_sgd: examples whose mean gradient at the initial weights measures α "
-                                   "(public or first_step scaling).")
+                                   "(public or first_step scaling).", ge=1)
     noise_decay: Literal["none", "linear", "exponential"] = doc(
-        "none", "edp_sgd: noise decay by epoch t = step // round(1/q): z_t = z_0, z_0/(1+τt) or z_0·e^(−τt).")
-    noise_decay_rate: float = doc(0.0, "edp_sgd: the decay rate τ of noise_decay.")
+        "none", "edp_sgd: noise decay by epoch t = step // round(1/q): z_t = z_0, z_0/(1+τt) or z_0·e^(−τt).",
+        only_with=("privacy.method", "edp_sgd"))
+    noise_decay_rate: float = doc(0.0, "edp_sgd: the decay rate τ of noise_decay.", ge=0,
+                                  only_with=("privacy.method", "edp_sgd"))
     reproducible_noise: bool = doc(
         False, "Derive the sampler and noise from train.seed so a run can be repeated exactly. Off by default: "
         "they come from a secret os.urandom root that is never written to the run directory. When on, the "
@@ -150,21 +163,21 @@ class PrivacyConfig:
 @dataclass
 class TrainConfig:
     optimizer: Literal["adam", "adamw", "sgd"] = doc("adam", "Optimizer wrapped by the DP optimizer (DP-Adam by default).")
-    learning_rate: float = doc(5e-4, "Learning rate.")
-    weight_decay: float = doc(0.0, "Weight decay (Li et al. use none).")
-    epochs: float = doc(10.0, "Training epochs (steps = epochs / sampling rate).")
-    max_steps: Optional[int] = doc(None, "Stop after this many optimizer steps (overrides epochs for the step count).")
-    batch_size: int = doc(1024, "Expected logical batch size B (sampling rate q = B/n).")
+    learning_rate: float = doc(5e-4, "Learning rate.", gt=0)
+    weight_decay: float = doc(0.0, "Weight decay (Li et al. use none).", ge=0)
+    epochs: float = doc(10.0, "Training epochs (steps = epochs / sampling rate).", gt=0)
+    max_steps: Optional[int] = doc(None, "Stop after this many optimizer steps (overrides epochs for the step count).", ge=1)
+    batch_size: int = doc(1024, "Expected logical batch size B (sampling rate q = B/n).", ge=1)
     physical_batch_size: Optional[int] = doc(None, "Micro-batch size per forward pass; empty picks one that fits "
-                                             "memory. Does not change privacy.")
+                                             "memory. Does not change privacy.", ge=1)
     seed: int = doc(0, "Seed of the public random choices: initialisation, dropout (and the sampler and noise only "
-                    "with privacy.reproducible_noise=true, or for a non-private run).")
+                    "with privacy.reproducible_noise=true, or for a non-private run).", ge=0)
     device: str = doc("auto", "auto, cpu, cuda or cuda:N.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = doc(
         "auto", "auto = bf16 autocast on GPU, fp32 on CPU. Norms accumulate in fp32 either way.")
-    eval_every: Optional[int] = doc(None, "Evaluate every N steps (empty: only at the end).")
-    checkpoint_every: Optional[int] = doc(None, "Checkpoint every N steps (empty: only at the end).")
-    log_every: int = doc(10, "Write metrics every N steps.")
+    eval_every: Optional[int] = doc(None, "Evaluate every N steps (empty: only at the end).", ge=1)
+    checkpoint_every: Optional[int] = doc(None, "Checkpoint every N steps (empty: only at the end).", ge=1)
+    log_every: int = doc(10, "Write metrics every N steps.", ge=1)
 
 
 @dataclass
@@ -172,9 +185,9 @@ class EvalConfig:
     split: Literal["validation", "test"] = doc(
         "test", "Split of the final evaluation (periodic evaluations use validation). GLUE test has no labels.")
     before_training: bool = doc(False, "Also evaluate the model before the first step, as a baseline.")
-    beam_size: int = doc(5, "Beam size for generation tasks.")
-    max_new_tokens: int = doc(64, "Maximum generated tokens per example.")
-    batch_size: int = doc(32, "Evaluation batch size.")
+    beam_size: int = doc(5, "Beam size for generation tasks.", ge=1)
+    max_new_tokens: int = doc(64, "Maximum generated tokens per example.", ge=1)
+    batch_size: int = doc(32, "Evaluation batch size.", ge=1)
 
 
 @dataclass
@@ -184,19 +197,19 @@ class AuditConfig:
     actually trained on."""
 
     holdout_fraction: float = doc(0.0, "Fraction of the training split held out, untrained, as the non-member set "
-                                  "of membership inference (same distribution as the members).")
-    holdout_examples: Optional[int] = doc(None, "Hold out exactly this many non-members (overrides holdout_fraction).")
+                                  "of membership inference (same distribution as the members).", ge=0, lt=1)
+    holdout_examples: Optional[int] = doc(None, "Hold out exactly this many non-members (overrides holdout_fraction).", ge=1)
     public_examples: int = doc(0, "Also set aside this many training records, trained on by neither the run nor "
-                               "its non-members: the 'public' pool shadow and reference models train on.")
-    seed: int = doc(0, "Seed of the member / non-member / public partition and of the canaries.")
+                               "its non-members: the 'public' pool shadow and reference models train on.", ge=0)
+    seed: int = doc(0, "Seed of the member / non-member / public partition and of the canaries.", ge=0)
     train_indices: list = doc([], "Train only on these indices of the training split (written by `dptext mia` "
                               "for its shadow/reference models; empty = all).")
-    canaries: int = doc(0, "Canaries per repetition count inserted into the training data (language-model tasks).")
+    canaries: int = doc(0, "Canaries per repetition count inserted into the training data (language-model tasks).", ge=0)
     canary_repetitions: list = doc([1, 10], "How many times each canary is repeated, one group of `canaries` "
                                    "canaries per entry.")
     canary_prefix: str = doc("the secret code is", "Fixed prefix of every canary; the secret follows it.")
-    canary_words: int = doc(4, "Random words in each canary's secret.")
-    canary_vocabulary: int = doc(100, "Size of the word list secrets are drawn from: |R| = vocabulary ** words.")
+    canary_words: int = doc(4, "Random words in each canary's secret.", ge=1)
+    canary_vocabulary: int = doc(100, "Size of the word list secrets are drawn from: |R| = vocabulary ** words.", ge=2)
 
 
 @dataclass
@@ -215,17 +228,17 @@ class DistillConfig:
                                  "teacher trained with its share of the budget).")
     synthetic: Optional[str] = doc(None, "Folder written by `dptext synth` from this teacher (distildp, "
                                    "synthetic_only).")
-    max_synthetic_examples: Optional[int] = doc(None, "Train on only the first N synthetic training records.")
+    max_synthetic_examples: Optional[int] = doc(None, "Train on only the first N synthetic training records.", ge=1)
     student: Optional[str] = doc(None, "Student model: hub name (distilgpt2), local folder or offline alias; empty "
                                  "means the teacher's base model (recipe model.name of the teacher run).")
     student_layers: list = doc([], "Keep only these decoder layers of the student model (0-based), e.g. [2, 5, 8]; "
                                "embeddings, final norm and head are kept (tied weights stay tied).")
     student_layer_stride: Optional[int] = doc(None, "Keep every N-th decoder layer counted from the top (the last "
-                                              "layer is kept); e.g. 3 turns SmolLM2-135M's 30 layers into 10.")
-    kd_lambda: float = doc(0.4, "λ: weight of the distillation term, L = (1−λ)·CE + λ·t²·KL(teacher‖student).")
-    temperature: float = doc(1.0, "t: softmax temperature of the distillation term.")
+                                              "layer is kept); e.g. 3 turns SmolLM2-135M's 30 layers into 10.", ge=1)
+    kd_lambda: float = doc(0.4, "λ: weight of the distillation term, L = (1−λ)·CE + λ·t²·KL(teacher‖student).", ge=0, le=1)
+    temperature: float = doc(1.0, "t: softmax temperature of the distillation term.", gt=0)
     hidden_alpha: float = doc(0.0, "α: weight of the MSE between last hidden states (teacher and student hidden "
-                              "sizes must match).")
+                              "sizes must match).", ge=0)
 
 
 @dataclass
@@ -284,7 +297,9 @@ def schema_docs(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str, An
             rows.extend(schema_docs(tp, prefix + f.name + "."))
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        rows.append((prefix + f.name, _type_name(tp), default, f.metadata.get("doc", "")))
+        allowed = bounds_text(f.metadata)
+        type_text = _type_name(tp) + (f", {allowed}" if allowed else "")
+        rows.append((prefix + f.name, type_text, default, f.metadata.get("doc", "")))
     return rows
 
 
@@ -349,17 +364,31 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     if not isinstance(data, dict):
         raise UserError(f"Recipe section '{prefix.rstrip('.') or 'top level'}' must be a mapping of keys to values.")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
-        if key not in names:
+        if key not in fields:
             raise _unknown_key_error(str(key), cls, prefix)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value if value is not None else {}, prefix + key + ".")
-        else:
-            kwargs[key] = _coerce(value, tp, prefix + key)
+            continue
+        kwargs[key] = _coerce(value, tp, prefix + key)
+        if kwargs[key] == "" and fields[key].default not in ("", None):  # a name, a path: empty means nothing
+            raise UserError(f"Recipe key '{prefix + key}' cannot be empty; give a {_type_name(tp)} "
+                            f"(default: {fields[key].default}).")
+        check_value(prefix + key, kwargs[key], fields[key].metadata)
     return cls(**kwargs)
+
+
+def given_keys(data: Any, prefix: str = "") -> set[str]:
+    """The dotted keys a recipe's raw data sets (sections recursed), e.g. {'privacy.target_epsilon'}."""
+    keys: set[str] = set()
+    for key, value in (data or {}).items() if isinstance(data, dict) else []:
+        keys.add(prefix + str(key))
+        if isinstance(value, dict):
+            keys |= given_keys(value, prefix + str(key) + ".")
+    return keys
 
 
 def to_dict(obj: Any) -> dict:
@@ -417,7 +446,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise UserError(f"Recipe '{path}' must be a YAML mapping of sections (model:, data:, ...).")
         data.setdefault("name", path.stem)
     data = apply_overrides(data, overrides or [])
-    return from_dict(Recipe, data)
+    recipe = from_dict(Recipe, data)
+    check_relations(recipe, given_keys(data))
+    return recipe
 
 
 def dump_recipe(recipe: Recipe) -> str:

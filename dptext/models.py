@@ -313,3 +313,4 @@ def smoke_test(name: str) -> dict[str, Any]:
         model(**batch)
     return {"name": name, "class": type(model).__name__, "head": head,
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": time.monotonic() - start}
+

@@ -50,11 +50,11 @@ def format_value(value: Any) -> str:
 class Progress:
     """Handle returned by ``Output.progress``: call ``advance`` once per unit of work."""
 
-    def __init__(self, output: "Output", total: int | None, description: str):
+    def __init__(self, output: "Output", total: int | None, description: str, start: int = 0):
         self._out = output
         self.total = total
         self.description = description
-        self.done = 0
+        self.done = self._start_done = start  # work done before (a resumed run): not part of the current rate
         self.fields: dict[str, Any] = {}
         self._start = time.monotonic()
         self._last_plain = 0.0
@@ -84,8 +84,8 @@ class Progress:
         elapsed = now - self._start
         total = f"/{self.total}" if self.total else ""
         eta = ""
-        if self.total and self.done:
-            eta = f" eta {elapsed / self.done * (self.total - self.done):.0f}s"
+        if self.total and self.done > self._start_done:
+            eta = f" eta {elapsed / (self.done - self._start_done) * (self.total - self.done):.0f}s"
         line = f"{self.description}: {self.done}{total} ({elapsed:.0f}s{eta}) {self._fields_text()}"
         print(line.rstrip(), file=sys.stderr, flush=True)
 
@@ -163,9 +163,10 @@ class Output:
             print(json.dumps(_jsonable(data), indent=2, sort_keys=False))
 
     @contextmanager
-    def progress(self, total: int | None, description: str) -> Iterator[Progress]:
-        """A live bar on a terminal, periodic plain lines on stderr otherwise."""
-        handle = Progress(self, total, description)
+    def progress(self, total: int | None, description: str, start: int = 0) -> Iterator[Progress]:
+        """A live bar on a terminal, periodic plain lines on stderr otherwise; ``start`` units are already done
+        (a resumed run), so the time left counts only the remaining ones at the current rate."""
+        handle = Progress(self, total, description, start)
         if self.interactive and not self.quiet:
             from rich.progress import (
                 BarColumn,
@@ -187,7 +188,7 @@ class Output:
             )
             with bar:
                 handle._rich = bar
-                handle._task = bar.add_task(description, total=total, fields="")
+                handle._task = bar.add_task(description, total=total, completed=start, fields="")
                 yield handle
         else:
             yield handle

@@ -197,6 +197,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def read_lines(path: str | Path) -> list[str]:
+    """The non-empty lines of a text file split at '\\n' only (a trailing '\\r' dropped).
+
+    Not ``str.splitlines()``: that also splits at U+0085, U+2028 and other characters that JSON written with
+    ``ensure_ascii=False`` keeps inside a string, tearing the record in two.
+    """
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    return [line.removesuffix("\r") for line in lines if line.strip()]
+
+
 class RunDir:
     """One run's directory. Create with ``RunDir.create``; reopen for resume with ``RunDir.open``."""
 
@@ -223,7 +233,7 @@ class RunDir:
                 suffix += 1
                 out = Path(root) / f"{recipe.name}-{stamp}-{suffix}"
         out = Path(out)
-        if out.exists() and any(out.iterdir()):
+        if out.exists() and any(out.iterdir()) and not cls(out).reusable():
             raise UserError(f"Run directory '{out}' already exists and is not empty; "
                             f"pass --resume {out} to continue it or choose another --out.")
         out.mkdir(parents=True, exist_ok=True)
@@ -241,6 +251,21 @@ class RunDir:
             raise UserError(f"'{path}' is not a dptext run directory (no {RESOLVED}); "
                             "pass the folder a previous run printed.")
         return run
+
+    def reusable(self) -> bool:
+        """A run directory whose run never started: no checkpoint, no metrics, no result (only what
+        ``create`` writes, e.g. after a kill during loading). A new run may take it over."""
+        names = {p.name for p in self.path.iterdir()} if self.path.is_dir() else set()
+        return RESOLVED in names and names <= {RESOLVED, PROVENANCE, "audit"}
+
+    def remove_unstarted(self, keep_folder: bool = False) -> None:
+        """Undo ``create`` after a failed start, so a failed start leaves nothing behind (``keep_folder``: the
+        folder itself existed, empty, before the run)."""
+        if not self.reusable():
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        if keep_folder:
+            self.path.mkdir(parents=True, exist_ok=True)
 
     def recipe(self) -> Any:
         from dptext.config import load_recipe
@@ -267,7 +292,7 @@ class RunDir:
         if not path.exists():
             return []
         records = []
-        for line in path.read_text().splitlines():
+        for line in read_lines(path):
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:  # a line torn by a crash mid-write

@@ -28,10 +28,24 @@ def test_two_runs_in_the_same_second_get_distinct_directories(tmp_path):
     assert make_run(tmp_path).path != make_run(tmp_path).path
 
 
-def test_refuses_to_overwrite_a_nonempty_out(tmp_path):
+def test_refuses_to_overwrite_a_started_run(tmp_path):
     run = make_run(tmp_path)
+    run.log_metrics({"step": 1, "loss": 1.0})
     with pytest.raises(UserError, match="--resume"):
         runs.RunDir.create(config.Recipe(), out=run.path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a run")
+    with pytest.raises(UserError, match="--resume"):
+        runs.RunDir.create(config.Recipe(), out=tmp_path / "mine")
+
+
+def test_a_run_that_never_started_is_taken_over_or_removed(tmp_path):
+    run = make_run(tmp_path)  # e.g. killed while loading: only resolved.yaml and provenance.json
+    assert run.reusable()
+    again = runs.RunDir.create(config.load_recipe(None, ["name=other"]), out=run.path)
+    assert again.recipe().name == "other"
+    again.remove_unstarted()
+    assert not run.path.exists()
 
 
 def test_open_rejects_a_folder_that_is_not_a_run(tmp_path):

@@ -16,6 +16,7 @@ import numpy as np
 
 from dptext.attacks.bookkeeping import mia_folder, read_records
 from dptext.errors import UserError
+from dptext.runs import RunDir
 
 ATTACKS = ("loss", "shadow", "lira")
 REPORT = "report.json"
@@ -108,4 +109,8 @@ def audit_run(run_dir: str | Path, attacks: tuple[str, ...], references: int = 2
 def run_mia(run_dirs: list[str | Path], attacks: tuple[str, ...], **options: Any) -> list[dict[str, Any]]:
     if not run_dirs:
         raise UserError("Give at least one run directory to audit.")
+    for run_dir in run_dirs:  # every run is checked before the first one is attacked (which takes minutes)
+        if RunDir.open(run_dir).load_result() is None:
+            raise UserError(f"Run '{run_dir}' has not finished (no result.json); finish it with "
+                            f"`dptext finetune --resume {run_dir}` before auditing it.")
     return [audit_run(run_dir, attacks, **options) for run_dir in run_dirs]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dptext.errors import UserError
+from dptext.runs import read_lines
 
 AUDIT_DIR = "audit_not_private"
 MIA_DIR = "mia_not_private"
@@ -152,7 +153,7 @@ def read_records(run_path: str | Path, name: str) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"'{run_path}' has no {AUDIT_DIR}/{FILES[name]}; fine-tune with an audit section "
                         "(e.g. audit.holdout_fraction=0.2) to audit a run.")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [json.loads(line) for line in read_lines(path)]
 
 
 def read_canaries(run_path: str | Path) -> dict[str, Any]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import shlex
 import sys
 
 import click
 import typer
 
 import dptext
-from dptext.errors import UserError
+from dptext.errors import RunInterrupted, UserError
 
 HELP = """Differentially private language models.
 
@@ -63,6 +64,13 @@ def _say_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
+def _usage_sentence(exc: click.exceptions.ClickException, args: list[str]) -> str:
+    """Click's several-line usage error as one sentence naming the option and where help is."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    command = getattr(getattr(exc, "ctx", None), "command_path", None) or "dptext"
+    return f"{message}; see `{command} --help`."
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("DPTEXT_DEBUG") == "1"
@@ -77,11 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.ClickException as exc:
         if debug:
             raise
-        exc.show()
-        sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        _say_error("interrupted; an interrupted run can be continued with --resume RUN_DIR.")
+        _say_error(_usage_sentence(exc, args))
+        sys.exit(2 if isinstance(exc, click.exceptions.UsageError) else exc.exit_code)
+    except RunInterrupted as exc:  # a training loop stopped cleanly after a step (dptext.finetune.loop)
+        command = next((a for a in args if not a.startswith("-")), "finetune")
+        _say_error(f"{exc}; continue with: dptext {command} --resume {shlex.quote(str(exc.run_dir))}")
         sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        code = 130
     except Exception as exc:  # a bug, not a user mistake
         if debug:
             raise
@@ -90,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
             "Re-run with --debug for the traceback and please report it."
         )
         sys.exit(1)
+    if code == 130:  # Typer turns Ctrl-C into a silent exit 130
+        _say_error("interrupted; an interrupted run can be continued with --resume RUN_DIR.")
     sys.exit(code if isinstance(code, int) else 0)
 
 

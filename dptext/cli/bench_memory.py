@@ -44,6 +44,9 @@ def bench_memory(
         raise UserError(f"Unknown precision '{precision}'; choose auto, fp32, bf16 or fp16.")
     if seq_len < 2 or batch_size < 1 or steps < 1 or warmup < 0 or rounds < 1:
         raise UserError("Use --seq-len ≥ 2, --batch-size ≥ 1, --steps ≥ 1, --warmup ≥ 0 and --rounds ≥ 1.")
+    from dptext.model_check import check_model_name
+
+    check_model_name(model, key="MODEL")  # an unknown name: one sentence now, not a failure per mode later
     out_dir = out or Path("runs") / f"bench-memory-{Path(model).name}-T{seq_len}-B{batch_size}"
     output = make_output(json_mode)
     with output.progress(len(chosen) * rounds, "bench-memory") as progress:

@@ -17,7 +17,7 @@ def check(
     schema: Annotated[bool, typer.Option("--schema", help="Print every recipe key with its type, default and meaning.")] = False,
     json_mode: JsonOption = False,
 ) -> None:
-    """Validate a recipe (with overrides) and print it fully resolved."""
+    """Validate a recipe (with overrides) as `dptext finetune` would, without loading weights; print it resolved."""
     from dptext import config
     from dptext.errors import UserError
 
@@ -30,6 +30,10 @@ def check(
     if recipe is None:
         raise UserError("Give a recipe file to check, e.g. `dptext check recipes/quickstart.yaml`, or pass --schema.")
     resolved = config.load_recipe(recipe, overrides or [])
+    from dptext.finetune.validate import validate_local_data, validate_run
+
+    validate_run(resolved, check_out=False)  # what `dptext finetune` checks before loading weights
+    validate_local_data(resolved)
     if json_mode:
         out.result(config.to_dict(resolved))
     else:

@@ -31,7 +31,7 @@ def data(
     json_mode: JsonOption = False,
 ) -> None:
     """Show how many records each split of a dataset has and print the first ones."""
-    from dptext.data.summary import example_table, summarize
+    from dptext.data.summary import example_table, statistics_rows, summarize
 
     out = make_output(json_mode)
     summary = summarize(dataset, path, split, show, text_column=text_column, label_column=label_column,
@@ -39,6 +39,9 @@ def data(
     out.info(f"{summary['dataset']} from {summary['source']}")
     rows = [[name, "-" if count is None else f"{count:,}"] for name, count in summary["counts"].items()]
     out.table("Records per split", ["split", "records"], rows)
+    if summary["statistics"]:
+        out.table("Texts and labels", ["split", "text", "empty", "words min / median / max", "labels (count)"],
+                  statistics_rows(summary["statistics"]))
     for name, message in summary["errors"].items():
         out.warn(f"{name}: {message}")
     if summary["examples"]:

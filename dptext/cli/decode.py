@@ -49,6 +49,11 @@ def decode(
     refuse_bad_options(prompt=prompt, lam=lam, eps=eps, public_model=public_model, top_k=top_k, top_p=top_p,
                        greedy=greedy, num_beams=num_beams, data=data, sweep=sweep, plot=plot,
                        max_examples=max_examples, max_length=max_length, batch_size=batch_size)
+    from dptext.model_check import check_model_name
+
+    check_model_name(model, key="--model")
+    if public_model is not None:
+        check_model_name(public_model, key="--public-model")
     if data is not None:
         run_sweep(out, model=model, data=data, sweep=sweep, lam=lam, text_column=text_column,
                   max_examples=max_examples, max_length=max_length, batch_size=batch_size, plot=plot, seed=seed,

@@ -40,7 +40,9 @@ ATIS_VALIDATION_SIZE = 500
 
 
 def _lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8").splitlines()
+    # split at '\n' only: str.splitlines() would also split inside a line at U+0085 or U+2028 and misalign files
+    lines = [line.removesuffix("\r") for line in path.read_text(encoding="utf-8").split("\n")]
+    return lines[:-1] if lines and lines[-1] == "" else lines
 
 
 def read_seq_folder(folder: Path, dataset: str) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""What ``dptext data`` shows: per-split record counts and the first records of a split.
+"""What ``dptext data`` shows: per-split record counts, label histograms, text lengths, empty texts, and the
+first records of a split.
 
 A plain function so that tests and other commands can call it; the CLI only renders it.
 """
@@ -6,6 +7,8 @@ A plain function so that tests and other commands can call it; the CLI only rend
 from __future__ import annotations
 
 import json
+import statistics
+from collections import Counter
 from typing import Any, Optional
 
 from dptext.data import dataset_info, load_split
@@ -23,6 +26,7 @@ def summarize(dataset: str, path: Optional[str] = None, split: Optional[str] = N
     info = dataset_info(dataset)
     wanted = [canonical_split(split)] if split else list(SPLITS)
     counts: dict[str, Optional[int]] = {}
+    stats: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     examples: list[dict] = []
     shown_split = None
@@ -35,12 +39,52 @@ def summarize(dataset: str, path: Optional[str] = None, split: Optional[str] = N
             counts[name], errors[name] = None, str(exc)
             continue
         counts[name] = len(records)
+        stats[name] = split_statistics(records)
         if shown_split is None and records:
             shown_split, examples = name, records[: max(show, 0)]
     if not any(count is not None for count in counts.values()):
         raise UserError(next(iter(errors.values())))
-    return {"dataset": info.name, "path": path, "source": _source(info, path), "counts": counts, "errors": errors,
+    return {"dataset": info.name, "path": path, "source": _source(info, path), "counts": counts, "statistics": stats,
+            "errors": errors,
             "shown_split": shown_split, "examples": examples}
+
+
+TEXT_FIELDS = ("text", "ref", "response", "tokens")  # the text a record trains on, by reader family
+LABEL_FIELDS = ("label", "intent", "rating")
+
+
+def split_statistics(records: list[dict]) -> dict[str, Any]:
+    """Label histogram, text length in words (min / median / max) and the number of empty texts of a split.
+
+    Empty texts and stray labels are what own data gets wrong most; both are visible here before training.
+    """
+    field = next((f for f in TEXT_FIELDS if any(f in r for r in records)), None)
+    lengths, empty = [], 0
+    for record in records if field else []:
+        value = record.get(field)
+        words = len(value) if isinstance(value, list) else len(str(value or "").split())
+        lengths.append(words)
+        empty += words == 0
+    label_field = next((f for f in LABEL_FIELDS if any(r.get(f) is not None for r in records)), None)
+    histogram = Counter(str(r.get(label_field)) for r in records) if label_field else Counter()
+    return {"text_field": field, "empty_texts": empty,
+            "words": ({"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)}
+                      if lengths else None),
+            "label_field": label_field, "labels": dict(sorted(histogram.items(), key=lambda kv: (-kv[1], kv[0])))}
+
+
+def statistics_rows(stats: dict[str, dict[str, Any]], top: int = 8) -> list[list[Any]]:
+    """One table row per split: text field, empty texts, words min/median/max, the most frequent labels."""
+    rows = []
+    for split, s in stats.items():
+        words = s["words"]
+        lengths = f"{words['min']} / {words['median']:g} / {words['max']}" if words else "-"
+        labels = ", ".join(f"{k}: {v}" for k, v in list(s["labels"].items())[:top])
+        if len(s["labels"]) > top:
+            labels += f", … ({len(s['labels'])} in all)"
+        rows.append([split, s["text_field"] or "-", s["empty_texts"], lengths,
+                     f"{s['label_field']}: {labels}" if s["label_field"] else "-"])
+    return rows
 
 
 def _source(info, path: Optional[str]) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 
 from dptext.distill.synth import PROVENANCE, teacher_info
 from dptext.errors import UserError
+from dptext.model_check import check_model_name
 from dptext.runs import RunDir, atomic_write_json
 
 STUDENT_DIR = "student_init"
@@ -48,10 +49,16 @@ def check_recipe(recipe: Any) -> None:
     if d.method in ("dp_sgd", "dpkd") and (not recipe.privacy.enabled or recipe.privacy.target_epsilon is None):
         raise UserError(f"distill.method={d.method} is a DP baseline; set privacy.enabled=true and "
                         "privacy.target_epsilon to the total budget.")
-    if not 0 <= d.kd_lambda <= 1 or d.temperature <= 0 or d.hidden_alpha < 0:
-        raise UserError("distill.kd_lambda must be in [0, 1], distill.temperature > 0 and distill.hidden_alpha ≥ 0.")
     if not d.student and not d.teacher:
         raise UserError("Name the student (distill.student) or a teacher run whose base model it starts from.")
+    # the ranges of kd_lambda, temperature and hidden_alpha are declared in the schema; here, what is on disk
+    if d.teacher and (RunDir.open(d.teacher).load_result() is None):
+        raise UserError(f"distill.teacher '{d.teacher}' has not finished (no result.json); finish it with "
+                        f"`dptext finetune --resume {d.teacher}` first.")
+    if d.method in SYNTHETIC_METHODS:
+        synthetic_provenance(d.synthetic, None)
+    if d.student:
+        check_model_name(d.student, key="distill.student")
 
 
 def synthetic_provenance(folder: str, teacher_run: str | None) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 from dptext.distill.codes import (CodeDistribution, code_distribution, compose_basic, sample_codes,
                                   total_variation)
 from dptext.errors import UserError
-from dptext.runs import RunDir, atomic_write_json, atomic_write_text, provenance, write_manifest
+from dptext.runs import RunDir, atomic_write_json, atomic_write_text, provenance, read_lines, write_manifest
 
 PLAN, SUMMARY, PROVENANCE = "plan.json", "summary.json", "provenance.json"
 TRAINING_COPIES = "training_copies_not_private.json"
@@ -197,7 +197,7 @@ def generate_all(model: Any, tokenizer: Any, plan: dict[str, Any], out: Path, ba
 def read_chunks(out: Path) -> list[dict[str, Any]]:
     records = []
     for part in sorted((out / CHUNKS).glob("part-*.jsonl")):
-        records.extend(json.loads(line) for line in part.read_text(encoding="utf-8").splitlines() if line)
+        records.extend(json.loads(line) for line in read_lines(part))
     return records
 
 

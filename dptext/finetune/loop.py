@@ -10,10 +10,18 @@ optimizer moments, the sampler's and the noise's generators, the global RNGs and
 from __future__ import annotations
 
 import contextlib
+import math
+import signal
+import threading
 import time
 from typing import Any
 
+from dptext.errors import RunInterrupted, UserError
 from dptext.runs import RunDir, capture_rng_state, restore_rng_state
+
+
+class NonFiniteError(UserError):
+    """Training produced a NaN or infinite loss or weight; the run stops instead of reporting garbage."""
 
 
 def micro_batches(indices: list[int], size: int):
@@ -53,6 +61,8 @@ def train_step(training: Any, indices: list[int]) -> tuple[float | None, int]:
             count += len(chunk)
         if units:
             training.engine.close_unit()
+    if not math.isfinite(total) and not distributed:  # before the step: the weights are still the last finite ones
+        raise NonFiniteError("loss")  # (under torchrun the weight check after the step stops every rank alike)
     if training.private:
         training.engine.step()  # an empty batch still takes a (noise-only) step and is accounted
     elif distributed:
@@ -115,6 +125,51 @@ def save_checkpoint(training: Any, run: RunDir, step: int) -> None:
     run.save_checkpoint(checkpoint_state(training, step), step)
 
 
+class _StopFlag:
+    requested = False
+
+
+@contextlib.contextmanager
+def stop_after_step(enabled: bool = True):
+    """The first Ctrl-C (SIGINT) asks the loop to stop after the current step; a second one stops at once.
+
+    Not under torchrun: ranks would stop at different steps and wait for each other forever."""
+    flag = _StopFlag()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def request(signum: int, frame: Any) -> None:
+        flag.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, request)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def weights_finite(training: Any) -> bool:
+    """Whether every trainable weight is finite (a NaN gradient or an overflow shows up here after the step)."""
+    import torch
+
+    return all(bool(torch.isfinite(p).all()) for p in training.model.parameters() if p.requires_grad)
+
+
+def stop_non_finite(training: Any, run: RunDir, step: int, what: str, checkpoint: bool) -> None:
+    """Stop with one sentence; keep the last finite state as a checkpoint when the weights still hold it."""
+    latest = run.latest_checkpoint()
+    if checkpoint and (latest is None or latest.name != f"step-{step - 1:08d}.pt"):
+        save_checkpoint(training, run, step - 1)
+        latest = run.latest_checkpoint()
+    kept = (f"the last finite state is {latest}" if latest is not None
+            else "no checkpoint holds a finite state")
+    raise NonFiniteError(f"Training stopped at step {step}: a {what} became NaN or infinite ({kept}); lower "
+                         "train.learning_rate or check privacy.max_grad_norm and the data, then start a new run.")
+
+
 def epsilon_spent(training: Any) -> float | None:
     return training.ledger.epsilon_spent() if training.private else None
 
@@ -126,10 +181,14 @@ def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
     steps = training.plan.steps
     started = time.monotonic()
     record: dict[str, Any] = {}
-    with output.progress(steps, "training") as progress:
-        progress.advance(start_step)
+    with output.progress(steps, "training", start=start_step) as progress, stop_after_step(training.dist is None or not training.dist.active) as stop:
         for step, indices in enumerate(training.sampler, start=start_step + 1):
-            loss, batch_size = train_step(training, indices)
+            try:
+                loss, batch_size = train_step(training, indices)
+            except NonFiniteError:
+                stop_non_finite(training, run, step, "loss", checkpoint=step - 1 > start_step)
+            if not weights_finite(training):
+                stop_non_finite(training, run, step, "weight", checkpoint=False)
             eps = epsilon_spent(training)
             progress.advance(1, loss=loss, eps=eps)
             if step % cfg.log_every == 0 or step == steps:
@@ -143,6 +202,9 @@ def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
                 run.log_metrics({"step": step, "split": "validation", **evaluate(training.eval_records)})
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != steps:
                 save_checkpoint(training, run, step)
+            if stop.requested and step != steps:  # Ctrl-C: the step is finished; keep it and say how to go on
+                save_checkpoint(training, run, step)
+                raise RunInterrupted(run.path, step)
     if steps > start_step:
         save_checkpoint(training, run, steps)
     return record

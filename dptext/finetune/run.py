@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dptext.errors import UserError
+from dptext.finetune.validate import validate_run
 from dptext.runs import RunDir, atomic_directory
 
 MODEL_DIR = "model"
@@ -100,7 +101,9 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         recipe = run.recipe()
     elif recipe is None:
         raise UserError("Give a recipe to fine-tune, or --resume RUN_DIR to continue a run.")
+    validate_run(recipe, out, check_out=resume is None, check_model=build is None)  # before anything is written
     dist = current(recipe.train.device)  # torchrun: one process per device; rank 0 alone writes the run directory
+    existed = out is not None and Path(out).is_dir()
     if resume is None:
         if dist.is_writer:
             run = RunDir.create(recipe, out)
@@ -111,7 +114,12 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         run, output = FollowerRun(run.path), silent_output()
     output.info(f"Run directory: {run.path}")
     started = time.monotonic()
-    training = build(recipe, run) if build is not None else build_training(recipe)
+    try:
+        training = build(recipe, run) if build is not None else build_training(recipe)
+    except BaseException:  # a failed start leaves nothing (a kill here leaves a folder --resume or a re-run takes over)
+        if resume is None and dist.is_writer:
+            run.remove_unstarted(keep_folder=existed)
+        raise
     if training.audit is not None and dist.is_writer:  # who is (not) a member, for `dptext mia`; same seed on resume, same split
         from dptext.attacks.bookkeeping import write_audit
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dptext.errors import UserError
+from dptext.finetune.validate import check_records
 
 CPU_PHYSICAL_BATCH = 16  # CPU RAM is rarely the limit at these model sizes; an OOM there kills the process
 GPU_PROBE_START = 256
@@ -125,6 +126,7 @@ def load_splits(recipe: Any) -> tuple[list, list, list]:
         raise UserError("The training split is empty; check data.path and data.max_train_examples.")
     validation = load_records(recipe.data, "validation")
     final = validation if recipe.eval.split == "validation" else load_records(recipe.data, "test")
+    check_records(recipe, {"train": train, "validation": validation, recipe.eval.split: final})
     return train, validation, final
 
 

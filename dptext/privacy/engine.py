@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsilon
 from dptext.errors import UserError
 from dptext.privacy import clipping
 from dptext.privacy.capture import UseRecorder
@@ -254,6 +255,28 @@ class PrivacyEngine:
         if self.dataset_size is None:
             raise UserError("The engine needs dataset_size to sample batches.")
         return make_sampler(self.dataset_size, self.sample_rate, steps, self.root, self.sampling, self.distributed)
+
+    @classmethod
+    def from_target_epsilon(cls, model: nn.Module, optimizer: torch.optim.Optimizer, *, target_epsilon: float,
+                            delta: float, steps: int, max_grad_norm: float, sample_rate: float | None = None,
+                            dataset_size: int | None = None, expected_batch_size: float | None = None,
+                            accountant: str = "rdp", **options: Any) -> "PrivacyEngine":
+        """An engine whose σ is calibrated so that ``steps`` steps spend ``target_epsilon`` at ``delta``.
+
+        ``accountant`` (rdp, prv or gdp) calibrates; ask ``epsilon(delta, accountant)`` of the same one. Other
+        ``options`` are those of the constructor (clipping_mode, seed, ledger, ...)."""
+        q, _, _ = _sampling_numbers(sample_rate, dataset_size, expected_batch_size)
+        sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, method=accountant).noise_multiplier
+        return cls(model, optimizer, noise_multiplier=sigma, max_grad_norm=max_grad_norm, sample_rate=sample_rate,
+                   dataset_size=dataset_size, expected_batch_size=expected_batch_size, **options)
+
+    def epsilon(self, delta: float, accountant: str = "rdp") -> float:
+        """ε spent at ``delta`` by the steps this engine has taken (counted across ``load_state_dict``).
+
+        The RDP bound by default; ``prv`` gives its upper bound and ``gdp`` its CLT approximation (not a bound).
+        """
+        result = compute_epsilon(accountant, [StepRun(self.sample_rate, self.noise_multiplier, self.steps)], delta)
+        return result.epsilon if result.approximate else result.guaranteed
 
     def accounting(self) -> dict[str, Any]:
         """What the accountant needs: the sampled Gaussian mechanism run so far."""
