@@ -256,7 +256,7 @@ class RunDir:
         """A run directory whose run never started: no checkpoint, no metrics, no result (only what
         ``create`` writes, e.g. after a kill during loading). A new run may take it over."""
         names = {p.name for p in self.path.iterdir()} if self.path.is_dir() else set()
-        return RESOLVED in names and names <= {RESOLVED, PROVENANCE, "audit"}
+        return RESOLVED in names and names <= {RESOLVED, PROVENANCE, release.MANIFEST, "audit_not_private"}
 
     def remove_unstarted(self, keep_folder: bool = False) -> None:
         """Undo ``create`` after a failed start, so a failed start leaves nothing behind (``keep_folder``: the

@@ -17,7 +17,8 @@ from dptext.errors import UserError
 from dptext.output import Progress
 
 TINY = ["model.name=tiny-bert", "data.dataset=null", "data.max_train_examples=null", "data.max_eval_examples=8", "task.type=classification", "data.max_length=32", "train.batch_size=8",
-        "train.max_steps=2", "eval.split=validation", "eval.batch_size=8", "name=own"]
+        "train.max_steps=2", "eval.split=validation", "eval.batch_size=8", "name=own",
+        "task.labels=[negative,positive]"]
 
 
 def own_data(folder, labels=None, texts=None):
@@ -125,7 +126,7 @@ def test_9_nan_clipping_norm_is_refused_and_a_diverging_run_stops(tmp_path, caps
 
 
 def test_10_synth_chunks_and_audit_files_with_unicode_line_separators(tmp_path):
-    from dptext.attacks.bookkeeping import read_records
+    from dptext.attacks.bookkeeping import AUDIT_DIR, read_records
     from dptext.distill.synth import CHUNKS, read_chunks
     from dptext.runs import read_lines
 
@@ -135,12 +136,12 @@ def test_10_synth_chunks_and_audit_files_with_unicode_line_separators(tmp_path):
         "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in odd), encoding="utf-8")
     assert [r["text"] for r in read_chunks(tmp_path)] == odd
     (tmp_path / "resolved.yaml").write_text("name: x\n")
-    (tmp_path / "audit").mkdir()
-    (tmp_path / "audit" / "members.jsonl").write_text(
+    (tmp_path / AUDIT_DIR).mkdir()
+    (tmp_path / AUDIT_DIR / "members.jsonl").write_text(
         "".join(json.dumps({"index": i, "record": {"text": t}}, ensure_ascii=False) + "\n" for i, t in enumerate(odd)),
         encoding="utf-8")
     assert [r["record"]["text"] for r in read_records(tmp_path, "members")] == odd
-    assert len(read_lines(tmp_path / "audit" / "members.jsonl")) == len(odd)
+    assert len(read_lines(tmp_path / AUDIT_DIR / "members.jsonl")) == len(odd)
 
 
 def test_11_stray_negative_and_empty_labels_and_zero_length(tmp_path, capsys):
