@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dptext.errors import UserError
+from dptext.finetune import selection as model_selection
 from dptext.runs import RunDir, atomic_directory
 
 MODEL_DIR = "model"
@@ -91,6 +92,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     output.info(f"Run directory: {run.path}")
     started = time.monotonic()
     training = build(recipe, run) if build is not None else build_training(recipe)
+    training.selection = model_selection.make_selection(recipe, training.task, dist.active)
     if training.audit is not None and dist.is_writer:  # who is (not) a member, for `dptext mia`; same seed on resume, same split
         from dptext.attacks.bookkeeping import write_audit
 
@@ -107,9 +109,11 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     if recipe.eval.before_training and start_step == 0:
         before = evaluate(training.final_records)
         run.log_metrics({"step": 0, "split": recipe.eval.split, "before_training": True, **before})
-    last = run_loop(training, run, output, start_step, evaluate)
+    last, steps_run = run_loop(training, run, output, start_step, evaluate)
+    if training.selection is not None and recipe.train.keep_best:
+        model_selection.restore_best(run, training.model, training.selection)
     final = evaluate(training.final_records)
-    run.log_metrics({"step": training.plan.steps, "split": recipe.eval.split, **final})
+    run.log_metrics({"step": steps_run, "split": recipe.eval.split, **final})
     if not dist.is_writer:
         release()
         return {"follower": True, "rank": dist.rank, "run_dir": str(run.path)}
@@ -119,7 +123,8 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         "eval_split": recipe.eval.split, "primary_metric": training.task.primary_metric,
         "metrics": final, "metrics_before_training": before, "final_train_loss": last.get("loss"),
         "privacy": privacy_summary(training), "model_dir": str(model_dir),
-        "physical_batch_size": training.physical_batch_size, **training.info,
+        "physical_batch_size": training.physical_batch_size, "steps_run": steps_run,
+        **model_selection.summary(training.selection, steps_run), **training.info,
         "seconds": time.monotonic() - started,
     }
     run.save_result(result)
