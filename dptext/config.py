@@ -177,6 +177,13 @@ class TrainConfig:
         "auto", "auto = bf16 autocast on GPU, fp32 on CPU. Norms accumulate in fp32 either way.")
     eval_every: Optional[int] = doc(None, "Evaluate every N steps (empty: only at the end).", ge=1)
     checkpoint_every: Optional[int] = doc(None, "Checkpoint every N steps (empty: only at the end).", ge=1)
+    early_stopping_patience: Optional[int] = doc(
+        None, "Stop after this many periodic validation evaluations (train.eval_every) without a better primary "
+        "metric; empty: train every planned step. Selects on validation only, never on test; a private run "
+        "stopped early reports the smaller ε of the steps it took.", ge=1)
+    keep_best: bool = doc(False, "Before the final evaluation, restore the weights of the best periodic "
+                          "validation evaluation (kept in best.pt; needs train.eval_every; a checkpoint follows "
+                          "every evaluation).")
     log_every: int = doc(10, "Write metrics every N steps.", ge=1)
 
 

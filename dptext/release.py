@@ -85,6 +85,9 @@ RUN_ENTRIES = (
     Entry("model/*", COVERED, _MODEL_WEIGHTS, "DP-SGD; post-processing of the noisy gradients", dp_result=True),
     Entry("student_init/*", PUBLIC, "the student's initial weights, cut from a public pretrained model"),
     Entry("student.json", PUBLIC, "which layers of which public model the student keeps"),
+    Entry("best.pt", COVERED, "the weights of the best periodic validation evaluation (train.keep_best)",
+          "DP-trained weights at a step chosen on the validation split, which is not a training set",
+          dp_result=True),
     Entry("checkpoints/LATEST", COVERED, "the step of the newest checkpoint"),
     Entry("checkpoints/*.pt", NOT_COVERED, "model, optimizer, sampler, noise-generator and RNG states for resuming",
           "the sampler's and noise generator's states regenerate the sampled batches and the noise; share "

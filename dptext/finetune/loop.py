@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from dptext.errors import RunInterrupted, UserError
+from dptext.finetune.selection import save_best
 from dptext.runs import RunDir, capture_rng_state, restore_rng_state
 
 
@@ -89,6 +90,8 @@ def checkpoint_state(training: Any, step: int) -> dict[str, Any]:
     if training.private:
         state["engine"] = training.engine.state_dict()
         state["ledger"] = training.ledger.to_dict(with_epsilon=False)
+    if training.selection is not None:
+        state["selection"] = training.selection.state_dict()
     return state
 
 
@@ -105,6 +108,8 @@ def restore(training: Any, state: dict[str, Any]) -> int:
         restored = PrivacyLedger.from_dict(state["ledger"])
         for run in restored.runs:  # continue the same account: the engine appends to this ledger object
             training.ledger.record_steps(run.sample_rate, run.noise_multiplier, run.steps)
+    if training.selection is not None and "selection" in state:
+        training.selection.load_state_dict(state["selection"])
     restore_rng_state(_mine(training, state["rng"]))
     return state["step"]
 
@@ -174,14 +179,35 @@ def epsilon_spent(training: Any) -> float | None:
     return training.ledger.epsilon_spent() if training.private else None
 
 
+def validate(training: Any, run: RunDir, step: int, evaluate: Any) -> bool:
+    """A periodic evaluation on the validation split; with model selection, also the best weights and a
+    checkpoint (so the selection state on disk always matches best.pt). True when it checkpointed."""
+    scores = evaluate(training.eval_records)
+    run.log_metrics({"step": step, "split": "validation", **scores})
+    selection = training.selection
+    if selection is None:
+        return False
+    if selection.observe(scores, step):
+        save_best(run, training.model, selection)
+    save_checkpoint(training, run, step)
+    return True
+
+
 def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
-             evaluate: Any) -> dict[str, Any]:
-    """Train from ``start_step`` to the planned number of steps; returns the last logged record."""
+             evaluate: Any) -> tuple[dict[str, Any], int]:
+    """Train from ``start_step`` to the planned number of steps, or until early stopping.
+
+    Returns the last logged record and the step reached."""
     cfg = training.recipe.train
     steps = training.plan.steps
+    selection = training.selection
     started = time.monotonic()
     record: dict[str, Any] = {}
-    with output.progress(steps, "training", start=start_step) as progress, stop_after_step(training.dist is None or not training.dist.active) as stop:
+    step = saved = start_step
+    if selection is not None and selection.should_stop:  # resumed after the stop decision was checkpointed
+        return record, step
+    with output.progress(steps, "training", start=start_step) as progress, \
+            stop_after_step(training.dist is None or not training.dist.active) as stop:
         for step, indices in enumerate(training.sampler, start=start_step + 1):
             try:
                 loss, batch_size = train_step(training, indices)
@@ -198,13 +224,22 @@ def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
                 record = {"step": step, "loss": loss, "batch_size": batch_size,
                           "seconds": time.monotonic() - started}
                 run.log_diagnostics(record)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
-                run.log_metrics({"step": step, "split": "validation", **evaluate(training.eval_records)})
+            due = cfg.eval_every and (step % cfg.eval_every == 0 or step == steps)
+            if due and (step != steps or selection is not None):  # with selection the last step may be the best
+                if validate(training, run, step, evaluate):
+                    saved = step
+                if selection is not None and selection.should_stop:
+                    output.info(f"Early stop at step {step}: no better validation {selection.metric} in "
+                                f"{selection.patience} evaluations (best {selection.best_value:.4g} at step "
+                                f"{selection.best_step}).")
+                    break
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != steps:
                 save_checkpoint(training, run, step)
+                saved = step
             if stop.requested and step != steps:  # Ctrl-C: the step is finished; keep it and say how to go on
-                save_checkpoint(training, run, step)
+                if saved != step:
+                    save_checkpoint(training, run, step)
                 raise RunInterrupted(run.path, step)
-    if steps > start_step:
-        save_checkpoint(training, run, steps)
-    return record
+    if step > saved:
+        save_checkpoint(training, run, step)
+    return record, step

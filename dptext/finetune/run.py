@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dptext.errors import UserError
+from dptext.finetune import selection as model_selection
 from dptext.finetune.validate import validate_run
 from dptext.runs import RunDir, atomic_directory
 
@@ -120,6 +121,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         if resume is None and dist.is_writer:
             run.remove_unstarted(keep_folder=existed)
         raise
+    training.selection = model_selection.make_selection(recipe, training.task, dist.active)
     if training.audit is not None and dist.is_writer:  # who is (not) a member, for `dptext mia`; same seed on resume, same split
         from dptext.attacks.bookkeeping import write_audit
 
@@ -136,9 +138,11 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     if recipe.eval.before_training and start_step == 0:
         before = evaluate(training.final_records)
         run.log_metrics({"step": 0, "split": recipe.eval.split, "before_training": True, **before})
-    run_loop(training, run, output, start_step, evaluate)
+    last, steps_run = run_loop(training, run, output, start_step, evaluate)
+    if training.selection is not None and recipe.train.keep_best:
+        model_selection.restore_best(run, training.model, training.selection)
     final = evaluate(training.final_records)
-    run.log_metrics({"step": training.plan.steps, "split": recipe.eval.split, **final})
+    run.log_metrics({"step": steps_run, "split": recipe.eval.split, **final})
     if not dist.is_writer:
         release()
         return {"follower": True, "rank": dist.rank, "run_dir": str(run.path)}
@@ -148,7 +152,8 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         "eval_split": recipe.eval.split, "primary_metric": training.task.primary_metric,
         "metrics": final, "metrics_before_training": before,
         "privacy": privacy_summary(training), "model_dir": str(model_dir),
-        "physical_batch_size": training.physical_batch_size, **training.info,
+        "physical_batch_size": training.physical_batch_size, "steps_run": steps_run,
+        **model_selection.summary(training.selection, steps_run), **training.info,
         "seconds": time.monotonic() - started,
     }
     run.save_result(result, release_flags(training))

@@ -41,6 +41,7 @@ class Training:
     info: dict = field(default_factory=dict)
     audit: Any = None  # dptext.attacks.bookkeeping.AuditSplit when the recipe's audit section asks for one
     dist: Any = None  # dptext.privacy.distributed.DistributedContext (world size 1 unless launched by torchrun)
+    selection: Any = None  # dptext.finetune.selection.Selection when the recipe selects on validation
 
     @property
     def private(self) -> bool:

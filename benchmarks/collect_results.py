@@ -1,0 +1,183 @@
+"""Write benchmarks/results/*.json from finished run directories, and the README tables from those files.
+
+    python benchmarks/collect_results.py collect /work/results-runs   # JSON files + README block
+    python benchmarks/collect_results.py readme                      # README block from the JSON files only
+
+Which run feeds which entry is fixed below (the job names of benchmarks/jobs.txt and jobs_dp.txt). An
+entry is written only from a finished run (result.json); an entry with several candidate runs (a
+learning-rate search) is written once every candidate has finished, from the candidate with the best
+VALIDATION value of its selection metric, with the whole search recorded beside it. A missing entry
+shows as "running" in the README, never as a number.
+
+Each entry holds the schema's metrics (percent) plus: ε by each accountant the run reported (RDP, PRV
+with its bounds, GDP) and by the PLD accountant of dp-accounting (computed here from the run's ledger:
+tight at any σ, where PRV refuses σ < 0.75), δ, σ, C, q, steps taken and planned, training seconds,
+seconds per epoch, wall seconds, the machine and the git commit of the code that ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import yaml
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+LOWER_IS_BETTER = {"ser", "perplexity"}
+NLU = {"ser": "ser", "intent_accuracy": "intent_acc", "slot_f1": "slot_f1"}
+LRS = ("5e-4", "2e-3")
+
+# file -> (schema metric -> result.json metric, entry -> candidate run names)
+FILES = {
+    "sst2": ({"accuracy": "accuracy"},
+             {"nonprivate": ["sst2-nonprivate"], "eps8": ["sst2-eps8"], "eps3": ["sst2-eps3"]}),
+    "atis": (NLU, {"nonprivate": ["atis-nonprivate"], "dp_sgd_eps8": [f"atis-dpsgd-eps8-lr{lr}" for lr in LRS],
+                   "edp_eps8": [f"atis-edp-eps8-lr{lr}" for lr in LRS]}),
+    "snips": (NLU, {"nonprivate": ["snips-nonprivate"], "dp_sgd_eps8": [f"snips-dpsgd-eps8-lr{lr}" for lr in LRS],
+                    "edp_eps8": [f"snips-edp-eps8-lr{lr}" for lr in LRS]}),
+    "quickstart": ({"accuracy": "accuracy"}, {"nonprivate": ["quickstart-nonprivate"], "eps8": ["quickstart-eps8"]}),
+    "e2e_cpu": ({"bleu": "bleu", "rouge_l": "rouge_l", "perplexity": "perplexity"},
+                {"nonprivate": ["e2e-cpu-nonprivate"], "eps8": ["e2e-cpu-eps8"]}),
+}
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def epsilon_pld(ledger: dict) -> float:
+    """ε of the ledger's Poisson-subsampled Gaussian steps by dp-accounting's PLD accountant (add/remove)."""
+    events = [dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(
+        run["sample_rate"], dp_event.GaussianDpEvent(run["noise_multiplier"])), run["steps"]) for run in ledger["runs"]]
+    accountant = pld_privacy_accountant.PLDAccountant()
+    accountant.compose(dp_event.ComposedDpEvent(events))
+    return float(accountant.get_epsilon(ledger["delta"]))
+
+
+def timing(metrics: list[dict], steps_per_epoch: float) -> dict:
+    """Training seconds summed over invocations (a resume restarts the clock) and seconds per epoch.
+
+    Seconds per epoch uses only the intervals between logged steps with no evaluation inside them."""
+    segments, last, train_time, train_steps, evaluated = [], None, 0.0, 0, False
+    for record in metrics:
+        if "split" in record:
+            evaluated = True
+            continue
+        if "seconds" not in record:
+            continue
+        if last is None or record["seconds"] < last["seconds"]:  # a new invocation (resume)
+            segments.append(0.0)
+        elif not evaluated:
+            train_time += record["seconds"] - last["seconds"]
+            train_steps += record["step"] - last["step"]
+        segments[-1] = record["seconds"]
+        last, evaluated = record, False
+    per_epoch = train_time / train_steps * steps_per_epoch if train_steps else None
+    return {"train_seconds": sum(segments), "seconds_per_epoch": per_epoch, "invocations": len(segments)}
+
+
+def entry(run_dir: Path, metric_names: dict) -> dict:
+    result, provenance = read_json(run_dir / "result.json"), read_json(run_dir / "provenance.json")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    privacy = result["privacy"]
+    clock = timing(metrics, 1.0 / privacy["sample_rate"])
+    out = {name: result["metrics"][key] for name, key in metric_names.items()}
+    out.update(private=privacy["private"], epsilon_rdp=None, epsilon_pld=None)
+    if privacy["private"]:
+        ledger = read_json(run_dir / "ledger.json")
+        out.update(epsilon_rdp=privacy["epsilon"]["rdp"]["epsilon"], epsilon_pld=epsilon_pld(ledger),
+                   epsilon=privacy["epsilon"], delta=privacy["delta"], noise_multiplier=privacy["noise_multiplier"],
+                   max_grad_norm=privacy["max_grad_norm"], method=privacy.get("method"))
+    recipe = (run_dir / "resolved.yaml").read_text()
+    out.update(
+        run=run_dir.name, recipe=result["recipe"], eval_split=result["eval_split"],
+        learning_rate=_recipe_value(recipe, "learning_rate"), sample_rate=privacy["sample_rate"],
+        expected_batch_size=privacy["expected_batch_size"], dataset_size=privacy["dataset_size"],
+        steps=result.get("steps_run", privacy["steps"]), planned_steps=privacy["steps"],
+        selection=result.get("selection"), **clock,
+        wall_seconds=clock["train_seconds"] - (clock_last(metrics) or 0.0) + result["seconds"],
+        machine=f"{provenance['platform']} ({provenance['machine']}), {_cpus(provenance)}",
+        commit=provenance["git_revision"])
+    return out
+
+
+def clock_last(metrics: list[dict]) -> float | None:
+    """Seconds of the last invocation's last logged step (its full time is result.json's seconds)."""
+    timed = [r["seconds"] for r in metrics if "seconds" in r and "split" not in r]
+    return timed[-1] if timed else None
+
+
+def _recipe_value(resolved: str, key: str):
+    return yaml.safe_load(resolved)["train"][key]
+
+
+def _cpus(provenance: dict) -> str:
+    if provenance["platform"] != platform.platform():  # collected elsewhere: say only what the run recorded
+        return "CPU count not recorded"
+    return f"{os.cpu_count()} CPU cores"
+
+
+def pick(candidates: list[Path], metric_names: dict) -> dict | None:
+    """The entry of a finished search: the candidate with the best validation value; None while any runs."""
+    if not candidates or not all((c / "result.json").is_file() for c in candidates):
+        return None
+    entries = [entry(c, metric_names) for c in candidates]
+    if len(entries) == 1:
+        return entries[0]
+    if any(e["selection"] is None for e in entries):
+        raise SystemExit(f"{candidates}: a search needs each run's validation selection (train.keep_best)")
+    metric = entries[0]["selection"]["metric"]
+    sign = 1 if metric in LOWER_IS_BETTER else -1
+    best = min(entries, key=lambda e: sign * e["selection"]["best_value"])
+    best["search"] = {"selected_by": f"best validation {metric} (the test split was not used to choose)",
+                      "candidates": [{"run": e["run"], "learning_rate": e["learning_rate"],
+                                      f"validation_{metric}": e["selection"]["best_value"]} for e in entries]}
+    return best
+
+
+def collect(runs: Path, results: Path = RESULTS) -> dict[str, dict]:
+    written = {}
+    for name, (metric_names, entries) in FILES.items():
+        data = {}
+        for key, candidates in entries.items():
+            found = pick([runs / c for c in candidates], metric_names)
+            if found is not None:
+                data[key] = found
+        if data:
+            results.mkdir(parents=True, exist_ok=True)
+            (results / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+            written[name] = data
+    return written
+
+
+def load_results(results: Path = RESULTS) -> dict[str, dict]:
+    return {path.stem: read_json(path) for path in sorted(results.glob("*.json"))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from results_tables import rewrite_readme  # the sibling script; benchmarks/ is not a package
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("collect", help="write the JSON files from run directories, then the README block").add_argument(
+        "runs", type=Path, nargs="?", default=Path("/work/results-runs"))
+    sub.add_parser("readme", help="rewrite the README block from the JSON files")
+    args = parser.parse_args(argv)
+    if args.command == "collect":
+        for name, data in collect(args.runs).items():
+            print(f"{RESULTS / name}.json: {', '.join(data)}")
+    rewrite_readme(README, load_results())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())

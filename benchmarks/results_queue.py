@@ -1,0 +1,153 @@
+"""Run the long result jobs one after another, in the background, resumably.
+
+    nohup python benchmarks/results_queue.py benchmarks/jobs.txt >/dev/null 2>&1 &
+
+A job file has one job a line, ``NAME RECIPE [key=value ...]`` (``#`` starts a comment; ``{data}``
+in a value is replaced by ``--data``, the shared data folder). For each job, in file order:
+
+* ``RUNS/NAME/result.json`` exists: finished, skipped;
+* ``RUNS/NAME`` holds a run (``resolved.yaml``): ``dptext finetune --resume RUNS/NAME``;
+* otherwise: ``dptext finetune RECIPE overrides --out RUNS/NAME``.
+
+Each job runs under ``nice -n 19`` (other people need the 2 cores) with the dptext of the checkout
+this script lives in on ``PYTHONPATH``, so the code that runs is the commit that
+``provenance.json`` records, whatever happens to other checkouts. Its output goes to
+``RUNS/NAME.log``; the queue's own log is ``RUNS/queue.log``. The job files are re-read after every
+job, so a job appended (or uncommented) while the queue runs is picked up. A failed job is logged
+and skipped; restarting the queue retries it from its last checkpoint. Only one queue runs per
+RUNS folder (a lock file); ``--wait`` queues behind the running one instead of exiting.
+
+Restart it at any time (after a machine restart, after killing it): it picks up where it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import fcntl
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CODE = Path(__file__).resolve().parent.parent
+DEFAULT_RUNS = Path("/work/results-runs")
+DEFAULT_DATA = CODE.parent / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    recipe: str
+    overrides: tuple[str, ...]
+
+
+def read_jobs(path: Path, data: Path) -> list[Job]:
+    """The jobs of one job file, in order; raises ValueError naming a malformed line."""
+    jobs = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        if len(words) < 2 or any("=" not in w for w in words[2:]):
+            raise ValueError(f"{path}:{number}: expected 'NAME RECIPE [key=value ...]', got {line.strip()!r}")
+        overrides = tuple(w.replace("{data}", str(data)) for w in words[2:])
+        jobs.append(Job(words[0], words[1], overrides))
+    names = [j.name for j in jobs]
+    duplicated = {n for n in names if names.count(n) > 1}
+    if duplicated:
+        raise ValueError(f"{path}: job names must be unique (they name the run folders): {sorted(duplicated)}")
+    return jobs
+
+
+def state_of(job: Job, runs: Path) -> str:
+    run = runs / job.name
+    if (run / "result.json").is_file():
+        return "finished"
+    if (run / "resolved.yaml").is_file():
+        return "started"
+    return "new"
+
+
+def command_for(job: Job, runs: Path, python: str) -> list[str]:
+    run = runs / job.name
+    base = ["nice", "-n", "19", python, "-m", "dptext", "finetune"]
+    if state_of(job, runs) == "started":
+        return base + ["--resume", str(run)]
+    recipe = Path(job.recipe) if Path(job.recipe).is_absolute() else CODE / job.recipe
+    return base + [str(recipe), *job.overrides, "--out", str(run)]
+
+
+def log(runs: Path, message: str) -> None:
+    line = f"{dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')} {message}\n"
+    with open(runs / "queue.log", "a") as handle:
+        handle.write(line)
+
+
+def next_job(job_files: list[Path], runs: Path, data: Path, failed: set[str]) -> Job | None:
+    for path in job_files:
+        for job in read_jobs(path, data):
+            if job.name not in failed and state_of(job, runs) != "finished":
+                return job
+    return None
+
+
+def run_queue(job_files: list[Path], runs: Path, data: Path, python: str) -> int:
+    """Run every unfinished job; returns how many failed."""
+    failed: set[str] = set()
+    env = {**os.environ, "PYTHONPATH": str(CODE), "PYTHONUNBUFFERED": "1"}
+    while (job := next_job(job_files, runs, data, failed)) is not None:
+        command = command_for(job, runs, python)
+        log(runs, f"start {job.name} ({state_of(job, runs)}): {shlex.join(command)}")
+        started = time.monotonic()
+        (runs / job.name).parent.mkdir(parents=True, exist_ok=True)  # names may hold a folder: distill-long/teacher
+        with open(runs / f"{job.name}.log", "a") as out:
+            code = subprocess.run(command, cwd=CODE, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL).returncode
+        took = time.monotonic() - started
+        if code == 0 and state_of(job, runs) == "finished":
+            log(runs, f"done {job.name} in {took:.0f} s")
+        else:
+            failed.add(job.name)
+            log(runs, f"FAILED {job.name} (exit {code}) after {took:.0f} s; see {runs / job.name}.log")
+    log(runs, f"queue empty ({len(failed)} failed: {sorted(failed)})")
+    return len(failed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("jobs", nargs="+", type=Path, help="job files, run in the order given")
+    parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="folder of the run directories")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="replaces {data} in job lines")
+    parser.add_argument("--python", default=sys.executable, help="interpreter that runs dptext")
+    parser.add_argument("--wait", action="store_true", help="wait for a running queue instead of exiting")
+    parser.add_argument("--list", action="store_true", help="print each job's state and exit")
+    args = parser.parse_args(argv)
+    args.runs.mkdir(parents=True, exist_ok=True)
+    for path in args.jobs:  # a malformed file fails now, not after hours of the jobs before it
+        read_jobs(path, args.data)
+    if args.list:
+        for path in args.jobs:
+            for job in read_jobs(path, args.data):
+                print(f"{state_of(job, args.runs):9} {job.name}")
+        return 0
+    lock = open(args.runs / "queue.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | (0 if args.wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        lock.seek(0)
+        print(f"A queue already runs on {args.runs} (pid {lock.read().strip() or '?'}); pass --wait to run "
+              "after it.", file=sys.stderr)
+        return 1
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    log(args.runs, f"queue pid {os.getpid()} code {CODE} jobs {' '.join(map(str, args.jobs))}")
+    return 1 if run_queue(args.jobs, args.runs, args.data, args.python) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

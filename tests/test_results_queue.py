@@ -1,0 +1,73 @@
+"""benchmarks/results_queue.py: job files, resume/skip decisions, and a real queue of tiny runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+queue = _load("results_queue")
+
+
+def test_job_file_parsing_substitutes_data_and_rejects_bad_lines(tmp_path):
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text("# a comment\n\natis  recipes/atis.yaml data.path={data}/atis  # trailing\n"
+                    "# disabled recipes/x.yaml\nsst2 recipes/sst2.yaml 'name=with space'\n")
+    parsed = queue.read_jobs(jobs, Path("/d"))
+    assert parsed == [queue.Job("atis", "recipes/atis.yaml", ("data.path=/d/atis",)),
+                      queue.Job("sst2", "recipes/sst2.yaml", ("name=with space",))]
+    jobs.write_text("atis recipes/atis.yaml notanoverride\n")
+    with pytest.raises(ValueError, match="jobs.txt:1"):
+        queue.read_jobs(jobs, Path("/d"))
+    jobs.write_text("a r.yaml\na s.yaml\n")
+    with pytest.raises(ValueError, match="unique"):
+        queue.read_jobs(jobs, Path("/d"))
+
+
+def test_new_started_and_finished_jobs_get_the_right_command(tmp_path):
+    job = queue.Job("run1", "recipes/quickstart.yaml", ("train.max_steps=1",))
+    command = queue.command_for(job, tmp_path, "py")
+    assert command[:3] == ["nice", "-n", "19"] and command[-2:] == ["--out", str(tmp_path / "run1")]
+    assert str(queue.CODE / "recipes/quickstart.yaml") in command and "train.max_steps=1" in command
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "run1" / "resolved.yaml").write_text("name: x\n")
+    assert queue.state_of(job, tmp_path) == "started"
+    assert queue.command_for(job, tmp_path, "py")[-2:] == ["--resume", str(tmp_path / "run1")]
+    (tmp_path / "run1" / "result.json").write_text("{}")
+    assert queue.state_of(job, tmp_path) == "finished"
+    assert queue.next_job([], tmp_path, tmp_path, set()) is None
+
+
+@pytest.mark.slow  # four dptext processes: ~1 min on an idle 2-core machine, 11 min on a busy one
+def test_queue_runs_resumes_and_skips(shared_data, tmp_path):
+    jobs = tmp_path / "jobs.txt"
+    common = ("model.name=tiny-bert data.dataset=sst2 data.path={data}/sst2 task.type=classification "
+              "eval.split=validation data.max_train_examples=24 data.max_eval_examples=4 data.max_length=16 "
+              "train.batch_size=8 train.max_steps=2 privacy.enabled=false")
+    jobs.write_text(f"first recipes/quickstart.yaml {common}\nbroken recipes/quickstart.yaml {common} "
+                    "train.batch_size=0\n")
+    runs = tmp_path / "runs"
+    argv = [str(jobs), "--runs", str(runs), "--data", str(shared_data), "--python", sys.executable]
+    assert queue.main(argv) == 1  # one job failed: logged, the queue went on and finished
+    assert json.loads((runs / "first" / "result.json").read_text())["steps_run"] == 2
+    log = (runs / "queue.log").read_text()
+    assert "done first" in log and "FAILED broken" in log
+    # a restart skips the finished job and retries the failed one (it still fails)
+    (runs / "queue.log").unlink()
+    queue.main(argv)
+    log = (runs / "queue.log").read_text()
+    assert "start first" not in log and "start broken" in log

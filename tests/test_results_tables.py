@@ -1,0 +1,96 @@
+"""benchmarks/collect_results.py and results_tables.py: the README tables are what benchmarks/results/ says."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from scipy.stats import norm
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tables = _load("results_tables")
+collect = _load("collect_results")
+
+
+def test_readme_block_matches_the_result_files():
+    generated = tables.render(collect.load_results())
+    assert tables.readme_block(ROOT / "README.md") == generated, (
+        "README results tables are stale: run `python benchmarks/collect_results.py readme`")
+
+
+def test_missing_entries_show_as_running_never_as_numbers():
+    text = tables.render({"atis": {}})
+    atis = [line for line in text.splitlines() if line.startswith("| non-private")]
+    assert atis and all("running" in line for line in atis)
+
+
+def test_pld_epsilon_of_unsampled_gaussians_matches_the_exact_gaussian_curve():
+    # q = 1: S Gaussian steps of multiplier σ are one Gaussian with μ = √S/σ, whose exact
+    # δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle & Wang); PLD must be that, up to its (pessimistic) grid.
+    sigma, steps, delta = 2.0, 16, 1e-5
+    eps = collect.epsilon_pld({"delta": delta, "runs": [{"sample_rate": 1.0, "noise_multiplier": sigma,
+                                                          "steps": steps}]})
+    mu = math.sqrt(steps) / sigma
+    exact_delta = norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+    assert exact_delta <= delta and exact_delta == pytest.approx(delta, rel=0.02)
+
+
+def test_timing_sums_resumed_invocations_and_skips_evaluation_intervals():
+    metrics = [
+        {"step": 10, "seconds": 10.0}, {"step": 20, "seconds": 20.0},
+        {"step": 20, "split": "validation"},  # the interval 20 -> 30 holds an evaluation: not training time
+        {"step": 30, "seconds": 90.0},
+        {"step": 40, "seconds": 5.0}, {"step": 50, "seconds": 15.0},  # resumed: the clock restarted
+    ]
+    clock = collect.timing(metrics, steps_per_epoch=100)
+    assert clock["invocations"] == 2 and clock["train_seconds"] == 90.0 + 15.0
+    assert clock["seconds_per_epoch"] == pytest.approx((10 + 10) / 20 * 100)
+
+
+def _fake_run(folder: Path, ser: float, validation: float, lr: float, private: bool = True) -> None:
+    folder.mkdir(parents=True)
+    privacy = {"private": private, "sample_rate": 0.1, "expected_batch_size": 10.0, "dataset_size": 100, "steps": 20}
+    if private:
+        privacy.update(epsilon={"rdp": {"epsilon": 8.0}}, delta=1e-5, noise_multiplier=1.0, max_grad_norm=0.1)
+        (folder / "ledger.json").write_text(json.dumps(
+            {"delta": 1e-5, "runs": [{"sample_rate": 0.1, "noise_multiplier": 1.0, "steps": 20}]}))
+    result = {"recipe": "r", "eval_split": "test", "seconds": 12.0, "steps_run": 20, "privacy": privacy,
+              "metrics": {"ser": ser, "intent_acc": 90.0, "slot_f1": 80.0},
+              "selection": {"metric": "ser", "best_value": validation}}
+    (folder / "result.json").write_text(json.dumps(result))
+    (folder / "provenance.json").write_text(json.dumps({"platform": "p", "machine": "m", "git_revision": "abc"}))
+    (folder / "metrics.jsonl").write_text('{"step": 10, "seconds": 1.0}\n{"step": 20, "seconds": 2.0}\n')
+    (folder / "resolved.yaml").write_text(f"train:\n  learning_rate: {lr}\n")
+
+
+def test_search_waits_for_every_candidate_then_picks_on_validation_not_test(tmp_path, monkeypatch):
+    runs, out = tmp_path / "runs", tmp_path / "results"
+    _fake_run(runs / "atis-dpsgd-eps8-lr5e-4", ser=20.0, validation=30.0, lr=5e-4)
+    assert "atis" not in collect.collect(runs, out)  # the other candidate has not finished: no entry yet
+    _fake_run(runs / "atis-dpsgd-eps8-lr2e-3", ser=10.0, validation=35.0, lr=2e-3)  # better on test, worse on valid.
+    _fake_run(runs / "atis-nonprivate", ser=5.0, validation=6.0, lr=1e-4, private=False)
+    atis = collect.collect(runs, out)["atis"]
+    assert set(atis) == {"nonprivate", "dp_sgd_eps8"}
+    chosen = atis["dp_sgd_eps8"]
+    assert chosen["run"] == "atis-dpsgd-eps8-lr5e-4" and chosen["ser"] == 20.0
+    assert [c["validation_ser"] for c in chosen["search"]["candidates"]] == [30.0, 35.0]
+    assert chosen["epsilon_rdp"] == 8.0 and chosen["epsilon_pld"] < chosen["epsilon_rdp"]
+    assert atis["nonprivate"]["epsilon_rdp"] is None and atis["nonprivate"]["commit"] == "abc"
+    assert json.loads((out / "atis.json").read_text()) == json.loads(json.dumps(atis))
+    text = tables.render({"atis": atis})
+    assert "| DP-SGD, ε = 8 | 20.00 |" in text and "| eDP-SGD, ε = 8 | running |" in text
