@@ -59,7 +59,7 @@ class ModelConfig:
         "random initialisation (retrain), as in Li et al. Table 2.")
     lora_rank: int = doc(8, "LoRA rank r (adaptation=lora).", ge=1)
     lora_alpha: float = doc(16.0, "LoRA scaling alpha (adaptation=lora).", gt=0)
-    top_n_layers: int = doc(2, "Number of top transformer layers to train (adaptation=top_n).", ge=1)
+    top_n_layers: int = doc(2, "Number of top transformer layers to train (adaptation=top_n; 0: only the head).", ge=0)
     untie_embeddings: bool = doc(False, "Give the LM head its own copy of the input embedding. Off by default: "
                                  "dptext clips tied weights exactly.")
 

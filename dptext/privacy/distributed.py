@@ -168,8 +168,8 @@ def silent_output():
 
     class SilentOutput(Output):
         @contextmanager
-        def progress(self, total, description):
-            handle = Progress(self, total, description)
+        def progress(self, total, description, start=0):
+            handle = Progress(self, total, description, start)
             handle._maybe_print_plain = lambda force=False: None
             yield handle
 
