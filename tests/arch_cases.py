@@ -138,7 +138,7 @@ class Situation:
     batch: int = 3
     length: int = 7
     padding: str = "right"  # right | left | none
-    adapters: str = "full"  # full | lora | top2
+    adapters: str = "full"  # full | lora | dora | top2
 
 
 SITUATIONS = {
@@ -147,6 +147,7 @@ SITUATIONS = {
     "single_token": Situation("single_token", batch=3, length=1, padding="none"),
     "left_padding": Situation("left_padding", padding="left"),
     "lora": Situation("lora", adapters="lora"),
+    "dora": Situation("dora", adapters="dora"),
     "top2": Situation("top2", adapters="top2"),
 }
 
@@ -195,13 +196,13 @@ def losses(model: nn.Module, batch: dict, rows=slice(None)) -> torch.Tensor:
 
 def prepare(model: nn.Module, situation: Situation) -> nn.Module:
     """Freeze or wrap the model as the situation says (LoRA on every Linear-like block projection; top-2)."""
-    if situation.adapters == "lora":
+    if situation.adapters in ("lora", "dora"):
         import peft
 
         targets = [name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                    if isinstance(module, (nn.Linear, Conv1D)) and ".0." in name]
         config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=sorted(set(targets))[:3], lora_dropout=0.0,
-                                 init_lora_weights=False)
+                                 init_lora_weights=False, use_dora=situation.adapters == "dora")
         return peft.get_peft_model(model, config).to(torch.float64)
     if situation.adapters == "top2":
         params = [p for p in model.parameters() if p.requires_grad]

@@ -21,13 +21,12 @@ from arch_cases import ARCHS, BY_NAME, CLIP, LAYOUTS, MODES, SITUATIONS, build, 
 KNOWN_REFUSED = {
     "mixtral": "experts and router see tokens gathered from many examples (no token→example map yet)",
     "qwen2_moe": "experts and router see tokens gathered from many examples (no token→example map yet)",
-    "opt": "its decoder layers flatten the batch to (B·T, d) rows before fc1/fc2 and the final norm",
     "deberta_v2": "its attention projections also read relative-position embeddings shared by the batch",
     "deberta_v2-cls": "its attention projections also read relative-position embeddings shared by the batch",
     "longformer": "global attention projections see tokens gathered across the batch",
 }
 # Situations crossed with every mode on these (one per family and per special rule).
-REPRESENTATIVE = ["gpt2", "llama", "gemma", "falcon", "cohere", "bert", "bart", "t5", "mpnet"]
+REPRESENTATIVE = ["gpt2", "llama", "gemma", "falcon", "cohere", "bert", "bart", "t5", "mpnet", "opt"]
 SENTENCE_END = re.compile(r"[.;:] [A-Z]")  # a second sentence starts after this
 
 

@@ -139,12 +139,18 @@ class UseRecorder:
             kept = rule.keep_call(module, detached, kwargs) if hasattr(rule, "keep_call") else rule.keep(module, detached)
         if hasattr(rule, "broadcast_output"):  # one output row shared by the batch: one view per example (BART)
             output = rule.broadcast_output(module, output, kept)
-        use = Use(module, rule, names, kept, output if self.keep_outputs else None)
+        self.record(module, rule, kept, output)
+        return output
+
+    def record(self, module: nn.Module, rule: Any, kept: Any, output: Tensor, grad_view=None) -> Use:
+        """One use of ``module``: what its rule kept, and a hook that keeps the gradient reaching ``output``
+        (reshaped by ``grad_view`` for rules whose rows are regrouped by example)."""
+        use = Use(module, rule, self.tracked[module][1], kept, output if self.keep_outputs else None)
 
         def keep_grad(grad: Tensor) -> None:
             if use.grad_output is None and not use.released:
-                use.grad_output = grad
+                use.grad_output = grad if grad_view is None else grad_view(grad)
 
         output.register_hook(keep_grad)
         self.uses.append(use)
-        return output
+        return use

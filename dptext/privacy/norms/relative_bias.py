@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from dptext.privacy.capture import Use
 from dptext.privacy.norms.embedding import EmbeddingRule
 from dptext.privacy.norms.registry import qualified_name, register_child_rule
 
@@ -30,15 +29,8 @@ def record_shared_lookup(recorder, table: nn.Module, rule, ids: Tensor, bias: Te
     """Record one use of ``table`` whose per-example output gradient is that of ``bias`` (B, H, q, k)."""
     batch, heads, queries, keys = bias.shape
     activation = ids.detach().reshape(1, queries * keys).expand(batch, -1)
-    _, names = recorder.tracked[table]
-    use = Use(table, rule, names, activation, bias if recorder.keep_outputs else None)
-
-    def keep_grad(grad: Tensor) -> None:
-        if use.grad_output is None and not use.released:
-            use.grad_output = grad.permute(0, 2, 3, 1).reshape(batch, queries * keys, heads)
-
-    bias.register_hook(keep_grad)
-    recorder.uses.append(use)
+    recorder.record(table, rule, activation, bias,
+                    grad_view=lambda grad: grad.permute(0, 2, 3, 1).reshape(batch, queries * keys, heads))
 
 
 class SharedTableRule(EmbeddingRule):
