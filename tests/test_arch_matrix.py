@@ -3,8 +3,9 @@ situation is exact against brute-force per-example autograd (1e-6 relative, fp64
 that names the layer. The same checks write the table in docs/privacy_engine.md (benchmarks/arch_table.py).
 
 Parametrised to stay fast on 2 cores: every architecture in every mode and layout with the default batch
-(padding, B ≠ T); the situations (B = T, one token, left padding, LoRA, top-2 trainable) on a representative
-subset; the full cross product is marked slow.
+(padding, B ≠ T) and per-layer clipping in book-keeping mode; the situations (B = T, one token, left padding,
+LoRA, DoRA, top-2 trainable) in every mode on a core set and in book-keeping on one model per special rule; the
+full cross product is marked slow.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
+from dptext.errors import UserError
 from arch_cases import ARCHS, BY_NAME, CLIP, LAYOUTS, MODES, SITUATIONS, build, engine_result, losses, make_batch, \
     prepare, run_cell
 
@@ -23,10 +26,11 @@ KNOWN_REFUSED = {
     "qwen2_moe": "experts and router see tokens gathered from many examples (no token→example map yet)",
     "deberta_v2": "its attention projections also read relative-position embeddings shared by the batch",
     "deberta_v2-cls": "its attention projections also read relative-position embeddings shared by the batch",
-    "longformer": "global attention projections see tokens gathered across the batch",
 }
-# Situations crossed with every mode on these (one per family and per special rule).
-REPRESENTATIVE = ["gpt2", "llama", "gemma", "falcon", "cohere", "bert", "bart", "t5", "mpnet", "opt"]
+# Situations crossed with every mode on a core set; with book-keeping on one model per special rule.
+CORE = ["gpt2", "llama", "bert", "t5"]
+SPECIAL = ["gemma", "falcon", "cohere", "bart", "mpnet", "opt", "longformer"]
+SITUATION_NAMES = [s for s in SITUATIONS if s != "default"]
 SENTENCE_END = re.compile(r"[.;:] [A-Z]")  # a second sentence starts after this
 
 
@@ -66,23 +70,29 @@ def test_every_architecture_in_every_mode(arch_name, mode):
     run_or_xfail(arch_name, mode, "all_layer", "default")
 
 
-@pytest.mark.parametrize("mode", ("bookkeeping", "per_sample"))
 @pytest.mark.parametrize("arch_name", [arch.name for arch in ARCHS])
-def test_every_architecture_with_per_layer_clipping(arch_name, mode):
-    run_or_xfail(arch_name, mode, "per_layer", "default")
+def test_every_architecture_with_per_layer_clipping(arch_name):
+    run_or_xfail(arch_name, "bookkeeping", "per_layer", "default")
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("situation", [s for s in SITUATIONS if s != "default"])
-@pytest.mark.parametrize("arch_name", REPRESENTATIVE)
-def test_situations_on_representative_architectures(arch_name, situation, mode):
+@pytest.mark.parametrize("situation", SITUATION_NAMES)
+@pytest.mark.parametrize("arch_name", CORE)
+def test_situations_in_every_mode(arch_name, situation, mode):
     run_or_xfail(arch_name, mode, "all_layer", situation)
 
 
-@pytest.mark.parametrize("situation", [s for s in SITUATIONS if s != "default"])
-@pytest.mark.parametrize("arch_name", REPRESENTATIVE)
-def test_situations_with_per_layer_clipping(arch_name, situation):
-    run_or_xfail(arch_name, "bookkeeping", "per_layer", situation)
+@pytest.mark.parametrize("situation", SITUATION_NAMES)
+@pytest.mark.parametrize("arch_name", SPECIAL)
+def test_situations_on_the_special_rules(arch_name, situation):
+    run_or_xfail(arch_name, "bookkeeping", "all_layer", situation)
+
+
+@pytest.mark.parametrize("mode", ("bookkeeping", "per_sample"))
+@pytest.mark.parametrize("situation", SITUATION_NAMES)
+@pytest.mark.parametrize("arch_name", CORE)
+def test_situations_with_per_layer_clipping(arch_name, situation, mode):
+    run_or_xfail(arch_name, mode, "per_layer", situation)
 
 
 @pytest.mark.parametrize("situation", ("batch_eq_length", "single_token"))
@@ -95,7 +105,7 @@ def test_refused_architectures_at_coincident_shapes(arch_name, situation):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("situation", [s for s in SITUATIONS if s != "default"])
+@pytest.mark.parametrize("situation", SITUATION_NAMES)
 @pytest.mark.parametrize("arch_name", [arch.name for arch in ARCHS])
 def test_full_cross_product(arch_name, situation, mode, layout):
     run_or_xfail(arch_name, mode, layout, situation)
@@ -114,7 +124,7 @@ def clipped_total(model, batch, mode, layout, rows) -> torch.Tensor:
 def test_removing_one_example_moves_the_clipped_sum_by_at_most_c(arch_name, mode, layout):
     arch = BY_NAME[arch_name]
     model = prepare(build(arch), SITUATIONS["default"])
-    batch = make_batch(arch, SITUATIONS["batch_eq_length"])  # 5 examples
+    batch = make_batch(arch, SITUATIONS["batch_eq_length"])  # 4 examples
     full = clipped_total(model, batch, mode, layout, slice(None))
     for removed in range(len(batch["input_ids"])):
         keep = [i for i in range(len(batch["input_ids"])) if i != removed]
@@ -130,3 +140,28 @@ def test_the_per_example_losses_are_those_of_one_example_at_a_time():
     together = losses(model, batch)
     alone = torch.cat([losses(model, batch, slice(i, i + 1)) for i in range(len(together))])
     torch.testing.assert_close(together, alone, rtol=1e-10, atol=1e-10)
+
+
+class TorchAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, ids):
+        hidden = self.embed(ids)
+        return self.attention(hidden, hidden, hidden)[0].pow(2).sum(dim=(1, 2))
+
+
+@pytest.mark.parametrize("frozen_in_projection", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_multihead_attention_is_refused_naming_the_layer(mode, frozen_in_projection):
+    """Its weights are used inside F.multi_head_attention_forward: out_proj is never called as a module."""
+    model = TorchAttention().double()
+    if frozen_in_projection:
+        model.attention.in_proj_weight.requires_grad_(False)
+        model.attention.in_proj_bias.requires_grad_(False)
+    with pytest.raises(UserError) as refusal:
+        engine_result(model, {"ids": torch.randint(0, 20, (3, 5))}, mode, "all_layer")
+    layer = "attention.out_proj" if frozen_in_projection else "attention"
+    assert f"Layer '{layer}'" in str(refusal.value) and "multi_head_attention_forward" in str(refusal.value)
