@@ -82,6 +82,7 @@ ARCHS = [
     _arch("falcon", "falcon", "FalconForCausalLM", new_decoder_architecture=False, multi_query=True),
     _arch("opt", "opt", "OPTForCausalLM", ffn_dim=32, word_embed_proj_dim=WIDTH),
     _arch("cohere", "cohere", "CohereForCausalLM", num_key_value_heads=1),
+    _arch("biogpt", "biogpt", "BioGptForCausalLM", scale_embedding=True),
     _arch("stablelm", "stablelm", "StableLmForCausalLM", num_key_value_heads=1),
     _arch("starcoder2", "starcoder2", "Starcoder2ForCausalLM", num_key_value_heads=1),
     _arch("gptj", "gptj", "GPTJForCausalLM", n_positions=64, rotary_dim=4),
