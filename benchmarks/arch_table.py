@@ -60,8 +60,7 @@ def table() -> str:
             cells.append(cell)
             if reason and short_reason(reason) not in reasons:
                 reasons.append(short_reason(reason))
-        head = arch.head.removeprefix(type(arch).__name__)
-        lines.append(f"| {arch.name} | {arch.family} | {head} | " + " | ".join(cells) + f" | {'; '.join(reasons)} |")
+        lines.append(f"| {arch.name} | {arch.family} | {arch.head} | " + " | ".join(cells) + f" | {'; '.join(reasons)} |")
     return "\n".join(lines)
 
 
