@@ -97,9 +97,12 @@ class PrivacyConfig:
     delta: Optional[float] = doc(None, "Target δ; empty means 1/(2n) for n training examples (Li et al.).")
     noise_multiplier: Optional[float] = doc(None, "Use this σ instead of calibrating from target_epsilon.")
     max_grad_norm: float = doc(0.1, "Per-example clipping norm C (Li et al. use 0.1).")
-    accountant: Literal["rdp", "prv", "gdp"] = doc("rdp", "Accountant that calibrates σ; all three are reported.")
+    accountant: Literal["rdp", "prv", "pld", "gdp"] = doc(
+        "rdp", "Accountant that calibrates σ and reports the run: rdp, prv (its upper bound) or pld; all four are "
+        "reported, but gdp (a CLT approximation, not a bound) is refused for training.")
     sampling: Literal["poisson", "shuffle"] = doc(
-        "poisson", "Batch sampling. Only poisson matches the accounting; shuffle is for comparison and warns.")
+        "poisson", "Batch sampling. Only poisson matches the accounting, so a private run refuses shuffle; a "
+        "non-private baseline (enabled=false) may shuffle.")
     clipping_mode: Literal["bookkeeping", "ghost", "per_sample"] = doc(
         "bookkeeping", "How clipped sums are computed (does not change privacy): one backward pass (bookkeeping), "
         "two (ghost), or instantiated per-example gradients (per_sample, the reference).")
@@ -125,7 +128,12 @@ class PrivacyConfig:
     noise_decay: Literal["none", "linear", "exponential"] = doc(
         "none", "edp_sgd: noise decay by epoch t = step // round(1/q): z_t = z_0, z_0/(1+τt) or z_0·e^(−τt).")
     noise_decay_rate: float = doc(0.0, "edp_sgd: the decay rate τ of noise_decay.")
-    secure_rng: bool = doc(False, "Draw noise from a cryptographically secure source (production runs).")
+    reproducible_noise: bool = doc(
+        False, "Derive the sampler and noise from train.seed so a run can be repeated exactly. Off by default: "
+        "they come from a secret os.urandom root that is never written to the run directory. When on, the "
+        "guarantee holds only while train.seed stays secret, and the summary, ledger and `dptext account` say so.")
+    secure_rng: bool = doc(False, "Also re-seed the noise from os.urandom before every step (a leaked generator "
+                           "state then predicts at most one step); a resume is then no longer bit-exact.")
 
 
 @dataclass
@@ -138,7 +146,8 @@ class TrainConfig:
     batch_size: int = doc(1024, "Expected logical batch size B (sampling rate q = B/n).")
     physical_batch_size: Optional[int] = doc(None, "Micro-batch size per forward pass; empty picks one that fits "
                                              "memory. Does not change privacy.")
-    seed: int = doc(0, "Seed for initialisation, sampling and noise.")
+    seed: int = doc(0, "Seed of the public random choices: initialisation, dropout (and the sampler and noise only "
+                    "with privacy.reproducible_noise=true, or for a non-private run).")
     device: str = doc("auto", "auto, cpu, cuda or cuda:N.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = doc(
         "auto", "auto = bf16 autocast on GPU, fp32 on CPU. Norms accumulate in fp32 either way.")

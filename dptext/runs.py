@@ -41,7 +41,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
 
 TRACKED_PACKAGES = (
-    "dptext", "torch", "transformers", "datasets", "numpy", "scipy", "prv-accountant",
+    "dptext", "torch", "transformers", "datasets", "numpy", "scipy", "prv-accountant", "dp-accounting",
     "typer", "rich", "sacrebleu", "rouge-score", "gguf", "peft", "opacus",
 )
 

@@ -51,7 +51,7 @@ def test_epsilon_from_sigma_json(capsys):
 def test_sigma_from_epsilon(capsys):
     doc = account_json(capsys, "--eps", "3", "--delta", "1e-5", "--sample-rate", "0.02", "--steps", "1000")
     results = by_method(doc)
-    assert doc["query"] == "noise_multiplier" and set(results) == {"rdp", "prv", "gdp"}
+    assert doc["query"] == "noise_multiplier" and set(results) == {"rdp", "prv", "pld", "gdp"}
     assert results["rdp"]["noise_multiplier"] == pytest.approx(1.2163, abs=2e-4)
     assert results["gdp"]["noise_multiplier"] < results["prv"]["noise_multiplier"] < results["rdp"]["noise_multiplier"]
     assert all(r["epsilon"] <= 3.0 for r in results.values())

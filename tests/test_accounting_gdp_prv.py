@@ -133,8 +133,8 @@ def test_prv_is_monotone_in_steps_rate_and_noise():
 
 def test_all_methods_report_in_order_and_rdp_bounds_prv():
     results = compute_all([StepRun(0.01, 1.0, 1000)], 1e-5)
-    assert [r.method for r in results] == ["rdp", "prv", "gdp"]
-    rdp_result, prv_result, _ = results
+    assert [r.method for r in results] == ["rdp", "prv", "pld", "gdp"]
+    rdp_result, prv_result, _, _ = results
     assert prv_result.upper < rdp_result.epsilon  # PRV is tighter than RDP here
     assert rdp_result.guaranteed == rdp_result.epsilon and prv_result.guaranteed == prv_result.upper
 

@@ -34,7 +34,7 @@ def test_epsilon_equals_the_one_shot_account():
     assert round(ledger.epsilon("rdp").epsilon, 3) == 2.101
     assert round(ledger.epsilon("gdp").epsilon, 3) == 1.618
     assert ledger.epsilon_spent() == ledger.epsilon("rdp").epsilon
-    assert [r.method for r in ledger.report()] == ["rdp", "prv", "gdp"]
+    assert [r.method for r in ledger.report()] == ["rdp", "prv", "pld", "gdp"]
 
 
 def test_default_delta_is_one_over_two_n_and_stated():
@@ -52,7 +52,7 @@ def test_round_trip_through_plain_json():
     ledger.record_steps(0.02, 1.1, 250)
     ledger.record_steps(0.02, 0.95, 50)
     data = json.loads(json.dumps(ledger.to_dict()))
-    assert data["steps"] == 300 and data["delta"] == 5e-4 and set(data["epsilon"]) == {"rdp", "prv", "gdp"}
+    assert data["steps"] == 300 and data["delta"] == 5e-4 and set(data["epsilon"]) == {"rdp", "prv", "pld", "gdp"}
     restored = PrivacyLedger.from_dict(data)
     assert restored.runs == ledger.runs and restored.delta == ledger.delta
     assert restored.accountant == "prv" and restored.delta_source == ledger.delta_source

@@ -60,16 +60,23 @@ def dp_clipped_sum(mode: str, ctx=None, indices=None):
     return [g * N for g in engine.dp_optimizer.privatized_grads().values()]
 
 
-def edp_gradient(ctx=None, indices=None, per_device=1):
-    """eDP-SGD's gradient without noise: Σ_slots α·clip(Δ_m/α) / M."""
+def record_ids(n):
+    return [f"record-{i}".encode() for i in range(n)]
+
+
+def edp_gradient(ctx=None, per_device=1):
+    """eDP-SGD's gradient without noise: Σ_slots α·clip(Δ_m/α) / M over the examples this process owns (slot
+    = keyed hash of the record id under the reproducible root's key, broadcast from rank 0)."""
     from dptext.privacy.edp import EDPEngine
 
     model = mlp()
     alphas = dict(zip(model.parameters(), EDP_ALPHAS))
     engine = EDPEngine(model, sgd(model), noise_multiplier=0.0, max_grad_norm=C, sample_rate=1.0, dataset_size=N,
-                       micro_batches_per_device=per_device, alphas=alphas, scaling="public", distributed=ctx)
+                       micro_batches_per_device=per_device, alphas=alphas, scaling="public", distributed=ctx,
+                       seed=9, record_ids=record_ids(N))
     x, y = data()
-    for unit in engine.clipping_units(list(range(N)) if indices is None else indices):
+    mine = engine.shard()
+    for unit in engine.clipping_units(list(range(N)) if mine is None else mine):
         engine.accumulate(losses(model, x[unit], y[unit]))
         engine.close_unit()
     return list(engine.dp_optimizer.privatized_grads().values())
@@ -100,7 +107,7 @@ def edp_noise_steps(ctx=None):
                        sample_rate=0.5, dataset_size=100, alphas=dict(zip(model.parameters(), EDP_NOISE["alphas"])),
                        scaling="public", schedule=NoiseSchedule("linear", 1.0), steps_per_epoch=1, seed=3,
                        ledger=lambda sample_rate, noise_multiplier: recorded.append(noise_multiplier),
-                       distributed=ctx)
+                       distributed=ctx, record_ids=record_ids(100))
     moves = []
     for _ in range(2):
         before = [p.detach().clone() for p in model.parameters()]
@@ -121,7 +128,7 @@ def worker(out: Path) -> None:
     ctx.average_gradients(list(model.parameters()), len(mine))
     results = {
         "clipped": {mode: dp_clipped_sum(mode, ctx, mine) for mode in MODES},
-        "edp": edp_gradient(ctx, mine),
+        "edp": edp_gradient(ctx),
         "noise": dp_noise(ctx),
         "edp_noise": edp_noise_steps(ctx),
         "non_private": [p.grad for p in model.parameters()],
@@ -200,7 +207,7 @@ def test_all_reduced_clipped_sum_equals_single_process(two_ranks, mode):
 
 
 def test_edp_two_processes_equal_one_process_with_two_slots(two_ranks):
-    single = edp_gradient(per_device=2)  # slots i mod 2 on one process = the two ranks' shards
+    single = edp_gradient(per_device=2)  # the same two hashed slots on one process = the two ranks' shards
     for rank in two_ranks:
         _assert_close(rank["edp"], single, "eDP")
 

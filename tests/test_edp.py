@@ -36,14 +36,11 @@ def engine_for(model, **kwargs):
     return EDPEngine(model, optimizer, **settings)
 
 
-def brute_force(model, x, y, slots, alphas, indices, clip):
-    """Σ_m clip(Δ_m / α) over the fixed slots m = i mod M, each Δ_m by its own autograd call; also the norms."""
+def brute_force(model, x, y, groups, alphas, clip):
+    """Σ_m clip(Δ_m / α) over the micro-batches ``groups``, each Δ_m by its own autograd call; also the norms."""
     params = list(model.parameters())
     total, norms = [torch.zeros_like(p) for p in params], []
-    for slot in range(slots):
-        members = [i for i in indices if i % slots == slot]
-        if not members:
-            continue
+    for members in groups:
         grads = torch.autograd.grad(losses(model, x[members], y[members]).mean(), params)
         scaled = [g / a for g, a in zip(grads, alphas)]
         norms.append(torch.sqrt(sum(s.pow(2).sum() for s in scaled)).item())
@@ -52,14 +49,21 @@ def brute_force(model, x, y, slots, alphas, indices, clip):
     return total, norms
 
 
+def ids(n, start=0):
+    return [f"record-{i}".encode() for i in range(start, start + n)]
+
+
 @pytest.mark.parametrize("alphas", [(1.0, 1.0, 1.0, 1.0), (0.5, 2.0, 3.0, 0.25)])
 def test_micro_batch_clipping_matches_brute_force(alphas):
     model, x, y = model_and_data()
     indices = [0, 2, 3, 4, 5, 7, 8, 9]
-    _, norms = brute_force(model, x, y, 3, alphas, indices, math.inf)
-    clip = (sorted(norms)[0] + sorted(norms)[1]) / 2  # one micro-batch unclipped, two clipped
-    expected, _ = brute_force(model, x, y, 3, alphas, indices, clip)
-    engine = engine_for(model, max_grad_norm=clip, micro_batches_per_device=3,
+    probe = engine_for(model, micro_batches_per_device=3, seed=4, record_ids=ids(10))
+    groups = probe.clipping_units(indices)
+    assert len(groups) >= 2 and sorted(i for g in groups for i in g) == indices
+    _, norms = brute_force(model, x, y, groups, alphas, math.inf)
+    clip = (sorted(norms)[0] + sorted(norms)[1]) / 2  # one micro-batch unclipped, the others clipped
+    expected, _ = brute_force(model, x, y, groups, alphas, clip)
+    engine = engine_for(model, max_grad_norm=clip, micro_batches_per_device=3, seed=4, record_ids=ids(10),
                         alphas=dict(zip(model.parameters(), alphas)))
     seen = []
     for unit in engine.clipping_units(indices):
@@ -73,24 +77,65 @@ def test_micro_batch_clipping_matches_brute_force(alphas):
         assert torch.allclose(got[param], want, atol=1e-6), (got[param] - want).abs().max()
 
 
-def test_slots_are_fixed_by_index_not_by_the_sample():
+def clipped_sum(model, x, y, record_ids, slots, clip, seed=5):
+    """eDP-SGD's clipped sum over every example of (x, y) (q = 1), flattened, through the engine."""
+    engine = engine_for(model, max_grad_norm=clip, micro_batches_per_device=slots, dataset_size=len(x),
+                        sample_rate=1.0, seed=seed, record_ids=record_ids)
+    for unit in engine.clipping_units(list(range(len(x)))):
+        engine.accumulate(losses(model, x[unit], y[unit]))
+        engine.close_unit()
+    got = engine.clipped_grads()
+    return torch.cat([got[p].flatten() for p in model.parameters()]), engine
+
+
+def test_removing_a_record_from_the_middle_moves_the_clipped_sum_by_at_most_2c():
+    """Issue 21 point 7: with slot = i mod M the sum moved by up to (√2−1)·C·√M; a keyed hash of the record id
+    keeps every other record in its slot, so only the removed record's micro-batch changes (≤ 2C)."""
+    n, slots, clip, k = 200, 64, 0.01, 100
+    model, x, y = model_and_data(n)
+    kept = [i for i in range(n) if i != k]
+    full, engine = clipped_sum(model, x, y, ids(n), slots, clip)
+    removed, _ = clipped_sum(model, x[kept], y[kept], [ids(n)[i] for i in kept], slots, clip)
+    assert engine.mechanism()["slot_rule"] == "keyed_hash" and engine.factor == 2
+    assert (full - removed).norm() <= 2 * clip * (1 + 1e-4)
+    # the positional rule this replaces breaks the bound on the same data (the test can fail)
+    by_index = [[i for i in range(n) if i % slots == m] for m in range(slots)]
+    by_index_removed = [[j for j in range(n - 1) if j % slots == m] for m in range(slots)]
+    flat = lambda total: torch.cat([t.flatten() for t in total])  # noqa: E731
+    old = flat(brute_force(model, x, y, by_index, (1.0,) * 4, clip)[0])
+    old_removed = flat(brute_force(model, x[kept], y[kept], by_index_removed, (1.0,) * 4, clip)[0])
+    assert (old - old_removed).norm() > 2 * clip
+
+
+def test_one_example_per_slot_moves_by_at_most_c_and_needs_more_slots_than_examples():
+    n, clip = 12, 0.01
+    model, x, y = model_and_data(n)
+    kept = [i for i in range(n) if i != 5]
+    full, engine = clipped_sum(model, x, y, ids(n), n + 1, clip)
+    removed, _ = clipped_sum(model, x[kept], y[kept], [ids(n)[i] for i in kept], n + 1, clip)
+    assert engine.factor == 1 and engine.mechanism()["slot_rule"] == "index"
+    assert (full - removed).norm() <= clip * (1 + 1e-4)
+    # slots = n: adding one record puts two examples in one slot, so the sensitivity is 2C, not C
+    _, edge = clipped_sum(model, x, y, ids(n), n, clip)
+    assert edge.factor == 2 and edge.mechanism()["slot_rule"] == "keyed_hash"
+
+
+def test_slots_without_record_ids_are_fresh_draws_per_step():
     model, _, _ = model_and_data()
-    engine = engine_for(model, micro_batches_per_device=3)
-    batch = [0, 1, 4, 6, 8]
-    grown = sorted(batch + [2])  # one more example: only its own slot (2 mod 3 = 2) may change
-    before = {tuple(u) for u in engine.clipping_units(batch)}
-    after = {tuple(u) for u in engine.clipping_units(grown)}
-    assert before - after == {(8,)} and after - before == {(2, 8)}
-    assert all(len({i % 3 for i in unit}) == 1 for unit in engine.clipping_units(list(range(10))))
+    engine = engine_for(model, micro_batches_per_device=3, seed=1)
+    assert engine.mechanism()["slot_rule"] == "draw_per_step"
+    draws = [tuple(engine.slots_of(list(range(10)))) for _ in range(5)]
+    assert len(set(draws)) > 1 and all(0 <= s < 3 for d in draws for s in d)
 
 
 def test_sensitivity_is_2c_unless_each_slot_owns_one_example():
     assert sensitivity_factor(slots=4, dataset_size=10) == 2
-    assert sensitivity_factor(slots=10, dataset_size=10) == 1
+    assert sensitivity_factor(slots=10, dataset_size=10) == 2  # M = n: adding a record shares a slot
+    assert sensitivity_factor(slots=11, dataset_size=10) == 1
     model, _, _ = model_and_data()
     engine = engine_for(model, noise_multiplier=3.0)
     assert engine.accounting_noise_multiplier == 1.5 and engine.mechanism()["sensitivity"] == pytest.approx(2 * C)
-    one_each = engine_for(model, noise_multiplier=3.0, micro_batches_per_device=10)
+    one_each = engine_for(model, noise_multiplier=3.0, micro_batches_per_device=11)
     assert one_each.accounting_noise_multiplier == 3.0 and one_each.mechanism()["sensitivity_factor"] == 1
 
 

@@ -7,7 +7,9 @@ method, the ε that is held to the target is:
 
 * ``rdp``  the RDP bound;
 * ``prv``  the upper end of the PRV interval (``prv_bound="estimate"`` for the estimate);
-* ``gdp``  the CLT approximation, so a GDP-calibrated σ is an approximation too.
+* ``pld``  the PLD upper bound (``dp-accounting``, pessimistic discretisation);
+* ``gdp``  the CLT approximation, so a GDP-calibrated σ is an approximation too: ``dptext account`` may show it,
+  labelled, but training calibrates only with the guaranteed methods (``check_training_accountant``).
 
 A target no σ in [SIGMA_MIN, SIGMA_MAX] can meet is a ``UserError`` in one sentence.
 """
@@ -38,6 +40,17 @@ class Calibration:
     approximate: bool = False  # True for GDP
 
 
+def check_training_accountant(method: str) -> str:
+    """The accountant that calibrates and reports a training run must give guarantees (RDP, PRV upper, PLD)."""
+    from dptext.accounting.epsilon import GUARANTEED_METHODS
+
+    if method not in GUARANTEED_METHODS:
+        raise UserError(f"privacy.accountant={method} is an approximation (the CLT), not a bound, so it cannot "
+                        f"calibrate or report a private run; use one of {', '.join(GUARANTEED_METHODS)} "
+                        "(GDP's ε is still reported beside them, labelled).")
+    return method
+
+
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
                                method: str = "rdp", schedule: NoiseSchedule = CONSTANT,
                                steps_per_epoch: int | None = None, rel_tol: float = 1e-4,
@@ -62,8 +75,8 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
         return seen[sigma]
 
     guess = _first_guess(target, delta, sample_rate, steps, method, schedule, steps_per_epoch, conversion)
-    # PRV evaluations are costly and its σ is a few percent below the RDP guess: search narrowly.
-    spread = 1.03 if method == "prv" else 1.2
+    # PRV and PLD evaluations are costly and their σ is a few percent below the RDP guess: search narrowly.
+    spread = 1.03 if method in ("prv", "pld") else 1.2
     sigma = smallest_safe_sigma(lambda s: epsilon_at(s) - target, guess, rel_tol,
                                 what=f"{method.upper()} ε ≤ {target:g} at δ={delta:g}", problems=problems,
                                 spread=spread)
@@ -83,7 +96,7 @@ def _calibrated_epsilon(method, runs, delta, conversion, prv_bound, prv_eps_erro
 
 def _first_guess(target, delta, sample_rate, steps, method, schedule, steps_per_epoch, conversion) -> float:
     """A cheap starting point: GDP's closed form for GDP and RDP, the RDP answer for PRV."""
-    if method == "prv":
+    if method in ("prv", "pld"):
         rdp_sigma = calibrate_noise_multiplier(target, delta, sample_rate, steps, "rdp", schedule, steps_per_epoch,
                                                rel_tol=1e-3, conversion=conversion).noise_multiplier
         return 0.97 * rdp_sigma

@@ -4,10 +4,11 @@ Methods and what their number means:
 
 * ``rdp``  an upper bound (a guarantee); improved conversion unless ``conversion="classical"``.
 * ``prv``  an estimate with rigorous bounds: the true ε lies in [lower, upper].
+* ``pld``  privacy loss distributions (``dp-accounting``, pessimistic): a tight upper bound at every σ.
 * ``gdp``  the Poisson CLT: an **approximation**, not a guarantee (exact only for q = 1).
 
 ``EpsilonResult.guaranteed`` is the number a privacy claim may rest on: the RDP bound, the
-PRV upper bound, and none for GDP.
+PRV upper bound, the PLD bound, and none for GDP.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any, Iterable, Sequence
 from dptext.accounting.events import StepRun, check_delta
 from dptext.errors import UserError
 
-METHODS = ("rdp", "prv", "gdp")
+METHODS = ("rdp", "prv", "pld", "gdp")
+GUARANTEED_METHODS = ("rdp", "prv", "pld")  # those that may calibrate training: their ε is an upper bound
 METHOD_NOTES = {
     "rdp": "Rényi DP, upper bound",
+    "pld": "privacy loss distribution (dp-accounting, pessimistic), upper bound",
     "prv": "PRV (Gopi et al. 2021); true ε in [lower, upper]",
     "gdp": "Gaussian DP via the CLT: an approximation, not a guarantee",
 }
@@ -70,6 +73,11 @@ def compute_epsilon(method: str, runs: Iterable[StepRun], delta: float, conversi
         eps, order = rdp_epsilon(runs, delta, conversion=conversion)  # type: ignore[arg-type]
         return EpsilonResult("rdp", eps, note=f"{METHOD_NOTES['rdp']} ({conversion} conversion, order {order:g})",
                              detail={"order": order, "conversion": conversion})
+    if method == "pld":
+        from dptext.accounting.pld import DISCRETIZATION, pld_epsilon
+
+        return EpsilonResult("pld", pld_epsilon(runs, delta), note=METHOD_NOTES["pld"],
+                             detail={"discretization": DISCRETIZATION})
     if method == "gdp":
         from dptext.accounting.gdp import gdp_epsilon
 
@@ -92,6 +100,6 @@ def compute_epsilon(method: str, runs: Iterable[StepRun], delta: float, conversi
 
 def compute_all(runs: Iterable[StepRun], delta: float, methods: Sequence[str] | None = None,
                 conversion: str = "improved", prv_eps_error: float | None = None) -> list[EpsilonResult]:
-    """ε by each of ``methods`` (default: all three), in that order."""
+    """ε by each of ``methods`` (default: all of METHODS), in that order."""
     runs = list(runs)
     return [compute_epsilon(m, runs, delta, conversion, prv_eps_error) for m in check_methods(methods)]

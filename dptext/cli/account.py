@@ -10,7 +10,7 @@ from typing_extensions import Annotated
 
 from dptext.cli.common import JsonOption, make_output
 
-LABELS = {"rdp": "RDP", "prv": "PRV", "gdp": "GDP (approx.)"}
+LABELS = {"rdp": "RDP", "prv": "PRV", "pld": "PLD", "gdp": "GDP (approx.)"}
 EXAMPLES = """
 Examples:
   dptext account --sigma 1.0 --sample-rate 0.01 --steps 1000 --delta 1e-5
@@ -38,7 +38,7 @@ def account(
     schedule: Annotated[Optional[str], typer.Option(
         "--schedule", help="Noise decay by epoch: constant, linear:TAU, exp:TAU or list:F1,F2,...")] = None,
     method: Annotated[Optional[List[str]], typer.Option(
-        "--method", help="Accountant(s) to use: rdp, prv, gdp (repeatable; default all).")] = None,
+        "--method", help="Accountant(s) to use: rdp, prv, pld, gdp (repeatable; default all).")] = None,
     conversion: Annotated[str, typer.Option(
         "--conversion", help="RDP to (ε, δ): improved (Balle et al. 2020) or classical.")] = "improved",
     prv_eps_error: Annotated[Optional[float], typer.Option(
@@ -48,7 +48,7 @@ def account(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of ε against steps per method.")] = None,
     json_mode: JsonOption = False,
 ) -> None:
-    """Privacy accounting: ε from σ, σ from ε, σ per recipe, or a run's ε so far (RDP, PRV, GDP)."""
+    """Privacy accounting: ε from σ, σ from ε, σ per recipe, or a run's ε so far (RDP, PRV, PLD, GDP)."""
     from dptext.accounting.epsilon import check_methods
     from dptext.errors import UserError
 
@@ -110,7 +110,7 @@ def _report_sigma(out, plan, noise, eps, methods, conversion, prv_eps_error) -> 
         cal = calibrate_noise_multiplier(eps, plan.delta, plan.sample_rate, plan.steps, m, noise,
                                          plan.steps_per_epoch, conversion=conversion, prv_eps_error=prv_eps_error)
         note = {"rdp": f"RDP bound ({conversion} conversion)", "prv": "meets ε on PRV's upper bound",
-                "gdp": "CLT approximation, not a guarantee"}[m]
+                "pld": "PLD upper bound", "gdp": "CLT approximation, not a guarantee; refused for training"}[m]
         rows.append([LABELS[m], cal.noise_multiplier, cal.epsilon, note])
         results.append({"method": m, "noise_multiplier": cal.noise_multiplier, "epsilon": cal.epsilon,
                         "approximate": cal.approximate, "note": note})
@@ -143,6 +143,13 @@ def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> No
     results = [ledger.epsilon(m, conversion, prv_eps_error) for m in methods]
     out.info(f"{run_dir}: {ledger.steps} steps in {len(ledger.runs)} run(s) of identical (q, σ), "
              f"δ={ledger.delta:g} ({ledger.delta_source}), accountant {ledger.accountant}")
+    mechanism = ledger.mechanism or {}
+    if mechanism.get("sampling", "poisson") != "poisson":
+        out.warn(f"This run sampled by {mechanism['sampling']}, which the Poisson accountant does not cover: "
+                 "the ε below is NOT a guarantee for it.")
+    if mechanism.get("noise_secret") is False:
+        out.warn("This run's sampler and noise were derived from train.seed (privacy.reproducible_noise=true): "
+                 "the ε below holds only while that seed stays secret.")
     out.table(f"ε spent after {ledger.steps} steps", ["method", "ε", "lower", "upper", "note"],
               [[LABELS[r.method], r.epsilon, r.lower, r.upper, r.note] for r in results])
     out.result({"query": "ledger", "run_dir": str(run_dir), **ledger.to_dict(with_epsilon=False),
@@ -175,7 +182,8 @@ def _plot(out, runs, delta, methods, prv_eps_error, path: Path, subtitle: str) -
         if any(v is None for v in c["epsilon"]):
             out.warn(f"{LABELS[m]} is not plotted: it could not be computed for this run.")
             continue
-        label = {"gdp": "GDP (CLT approximation)", "prv": "PRV estimate (band: bounds)"}.get(m, "RDP bound")
+        label = {"gdp": "GDP (CLT approximation)", "prv": "PRV estimate (band: bounds)",
+                 "pld": "PLD bound"}.get(m, "RDP bound")
         ax.plot(c["steps"], c["epsilon"], linestyle="--" if m == "gdp" else "-", label=label)
         if m == "prv":
             ax.fill_between(c["steps"], c["lower"], c["upper"], alpha=0.25)

@@ -35,7 +35,7 @@ def render_result(output, result: dict) -> None:
     privacy = result["privacy"]
     if privacy["private"]:
         for method, eps in privacy["epsilon"].items():
-            label = {"rdp": "ε (RDP bound)", "prv": "ε (PRV estimate [lower, upper])",
+            label = {"rdp": "ε (RDP bound)", "prv": "ε (PRV estimate [lower, upper])", "pld": "ε (PLD bound)",
                      "gdp": "ε (GDP, CLT approximation)"}[method]
             value = eps["epsilon"] if eps["epsilon"] is not None else "not computed (see ledger.json)"
             if method == "prv" and eps.get("lower") is not None:
@@ -45,6 +45,8 @@ def render_result(output, result: dict) -> None:
         if "guarantee" in mechanism:
             rows.append([f"guarantee ({mechanism['method']}, {mechanism['processes']} process(es))",
                          mechanism["guarantee"], None])
+        if "randomness" in mechanism:
+            rows.append(["sampler and noise", mechanism["randomness"], None])
         if mechanism.get("method") == "edp_sgd":
             leaks = " (LEAKS: measured on private data)" if mechanism["scaling_leaks"] else ""
             rows += [["z₀ (noise std / C, scaled space)", mechanism["z0"], None],
@@ -64,11 +66,23 @@ def render_result(output, result: dict) -> None:
         change = f"{before:.4g} before training -> " if before is not None else ""
         guarantee = "without privacy"
         if privacy["private"]:
-            method = privacy["accountant"] if privacy["epsilon"][privacy["accountant"]]["epsilon"] else "rdp"
-            guarantee = (f"at ε = {privacy['epsilon'][method]['epsilon']:.3g} ({method.upper()}), "
-                         f"δ = {privacy['delta']:.2g}")
+            method, bound = headline_epsilon(privacy)
+            guarantee = f"at ε ≤ {bound:.3g} ({method.upper()} upper bound), δ = {privacy['delta']:.2g}"
+            if not privacy.get("mechanism", {}).get("noise_secret", True):
+                guarantee += " — only while train.seed stays secret (privacy.reproducible_noise=true)"
         output.info(f"Look at: {headline} {change}{result['metrics'][headline]:.4g} after training, {guarantee}.")
     output.info(f"Run directory: {result['run_dir']} (model in {result['model_dir']}, curves in metrics.jsonl)")
+
+
+def headline_epsilon(privacy: dict) -> tuple[str, float]:
+    """(method, ε) for the headline: the run's accountant's *upper bound* (PRV's upper, not its estimate),
+    else the RDP bound."""
+    epsilon = privacy["epsilon"]
+    chosen = epsilon.get(privacy["accountant"], {})
+    bound = chosen.get("upper") if privacy["accountant"] == "prv" else chosen.get("epsilon")
+    if bound is None or chosen.get("approximate"):
+        return "rdp", epsilon["rdp"]["epsilon"]
+    return privacy["accountant"], bound
 
 
 def register(app: typer.Typer) -> None:

@@ -74,6 +74,7 @@ def scaling_examples(recipe: Any, training: Any) -> list:
 def build_edp(training: Any, dist: Any) -> None:
     """Set ``training``'s noise multiplier (σ_0 as accounted), ledger, eDP engine and sampler."""
     from dptext.accounting import PrivacyLedger
+    from dptext.finetune.setup import privacy_seed, record_ids
     from dptext.privacy.edp import EDPEngine, sensitivity_factor
 
     recipe, plan = training.recipe, training.plan
@@ -96,7 +97,7 @@ def build_edp(training: Any, dist: Any) -> None:
         training.model, training.optimizer, noise_multiplier=factor * sigma0, max_grad_norm=privacy.max_grad_norm,
         sample_rate=plan.sample_rate, dataset_size=n, micro_batches_per_device=privacy.edp_micro_batches_per_device,
         alphas=alphas, scaling=privacy.edp_scaling, schedule=schedule, steps_per_epoch=plan.steps_per_epoch,
-        seed=None if privacy.secure_rng else recipe.train.seed, secure_rng=privacy.secure_rng,
-        ledger=training.ledger.record_step, distributed=dist)
+        seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
+        ledger=training.ledger.record_step, distributed=dist, record_ids=record_ids(training.examples))
     training.ledger.mechanism = training.engine.mechanism()
     training.sampler = training.engine.sampler(plan.steps)

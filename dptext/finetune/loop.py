@@ -108,9 +108,11 @@ def _mine(training: Any, value: Any) -> Any:
 
 
 def save_checkpoint(training: Any, run: RunDir, step: int) -> None:
-    run.save_checkpoint(checkpoint_state(training, step), step)
+    """The ledger first, then the checkpoint and its LATEST pointer: an interruption anywhere in between leaves
+    ledger.json at or ahead of every checkpoint on disk, so `dptext account RUN_DIR` never under-reports ε."""
     if training.private:
         run.save_ledger(training.ledger.to_dict())
+    run.save_checkpoint(checkpoint_state(training, step), step)
 
 
 def epsilon_spent(training: Any) -> float | None:

@@ -65,13 +65,33 @@ def autocast_dtype(precision: str, device) -> Any:
     return torch.float16 if precision == "fp16" else torch.bfloat16
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, child: str = "init", rank: int = 0) -> None:
+    """Seed Python, NumPy and torch's global generators from the public root's ``child`` (init, then dropout,
+    one stream per rank)."""
     import numpy as np
     import torch
 
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    from dptext.privacy.randomness import RandomRoot
+
+    value = RandomRoot(seed).seed(child, rank)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+
+
+def privacy_seed(privacy: Any, seed: int) -> int | None:
+    """The seed of sampler and noise: None (a secret os.urandom root) unless reproducible noise was asked for."""
+    if privacy.reproducible_noise and privacy.secure_rng:
+        raise UserError("privacy.secure_rng re-seeds the noise from the OS every step, which contradicts "
+                        "privacy.reproducible_noise=true; choose one.")
+    return seed if privacy.reproducible_noise else None
+
+
+def record_ids(examples: list) -> list[bytes]:
+    """A stable id per encoded example (a digest of its tokens and labels), for eDP-SGD's keyed slot hash."""
+    import hashlib
+
+    return [hashlib.blake2b(repr((e.input_ids, e.labels)).encode(), digest_size=16).digest() for e in examples]
 
 
 def untie_output_embedding(model: Any) -> None:
@@ -126,6 +146,7 @@ def build_training(recipe: Any) -> Training:
     import torch
 
     from dptext.accounting import PrivacyLedger, plan_for_recipe
+    from dptext.accounting.calibrate import check_training_accountant
     from dptext.adaptation import apply_adaptation, trainable_summary
     from dptext.attacks.bookkeeping import audit_requested, split_for_audit
     from dptext.models import load_tokenizer
@@ -152,6 +173,7 @@ def build_training(recipe: Any) -> Training:
     model = apply_adaptation(model, recipe).to(device)
     model.train()
     dist.broadcast_parameters(model)
+    seed_everything(recipe.train.seed, "dropout", dist.rank)  # dropout: a stream apart from initialisation
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(recipe, params)
     plan = plan_for_recipe(recipe, len(train))
@@ -163,6 +185,9 @@ def build_training(recipe: Any) -> Training:
     privacy = recipe.privacy
     if privacy.method != "edp_sgd" and privacy.noise_decay != "none":
         raise UserError("privacy.noise_decay applies to privacy.method=edp_sgd; set it to none for dp_sgd.")
+    if privacy.enabled:
+        check_training_accountant(privacy.accountant)
+        privacy_seed(privacy, recipe.train.seed)  # refuses contradictory randomness settings before any work
     if privacy.enabled and privacy.method == "edp_sgd":
         from dptext.finetune.edp import build_edp
 
@@ -174,11 +199,13 @@ def build_training(recipe: Any) -> Training:
             model, optimizer, noise_multiplier=training.noise_multiplier, max_grad_norm=privacy.max_grad_norm,
             sample_rate=plan.sample_rate, dataset_size=len(train), clipping_mode=privacy.clipping_mode,
             clipping_layout=privacy.clipping_layout, sampling=privacy.sampling,
-            seed=None if privacy.secure_rng else recipe.train.seed, secure_rng=privacy.secure_rng,
+            seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
             ledger=training.ledger.record_step, distributed=dist)
+        training.ledger.mechanism = training.engine.mechanism()
         training.sampler = training.engine.sampler(plan.steps)
-    else:  # the same Poisson batches, no clipping or noise: the non-private baseline of the same recipe
-        training.sampler = make_sampler(len(train), plan.sample_rate, plan.steps, recipe.train.seed, "poisson", dist)
+    else:  # no clipping or noise: the non-private baseline of the same recipe (its batches need no secret)
+        sampling = privacy.sampling if not dist.active else "poisson"
+        training.sampler = make_sampler(len(train), plan.sample_rate, plan.steps, recipe.train.seed, sampling, dist)
     training.physical_batch_size = recipe.train.physical_batch_size or choose_physical_batch_size(training)
     return training
 

@@ -11,11 +11,13 @@ How the privacy of the distributed step is kept equal to the single-process one 
 * **Shards fixed by index.** Example i lives on rank ``i mod N`` (independent of the data) and is
   Poisson-sampled there with the global rate q by that rank's own generator. The union of the ranks' samples
   is a Poisson sample of the whole set with rate q, so the ledger accounts q = B/n with B the expected global
-  batch. Adding or removing one example changes only its own rank's batch.
+  batch. Adding or removing one example changes only its own rank's batch. Each rank's sampler draws from its
+  own child of the random root (``dptext.privacy.randomness``, spawn key (sampler, rank)), never an offset seed
+  and never the noise's stream.
 * **Clipping is local.** Each rank clips its own examples with the engine's clipping mode (or, for eDP-SGD,
   its own micro-batches); the clipped sums are all-reduced (summed) in one flat buffer.
 * **Noise is added once, on rank 0**, before the all-reduce: N(0, σ²C²) per coordinate, exactly the σ the
-  accountant assumed, from rank 0's noise generator (the same one a single-process run with the same seed
+  accountant assumed, from rank 0's noise generator (the same one a single-process run with the same root
   uses). We do not split it into N shares N(0, σ²C²/N): a split needs every rank's noise to be honest and
   independent (a rank with a broken or shared seed, or a rank that sees its own pre-aggregation share, would
   leave the sum under-noised), while one draw on one rank makes the guarantee depend on one generator and is
@@ -35,7 +37,6 @@ from typing import Any
 from dptext.errors import UserError
 
 TIMEOUT = datetime.timedelta(minutes=30)
-SAMPLER_SEED_STRIDE = 1_000_003  # rank r samples with seed + r·stride: distinct generators, reproducible
 
 
 @dataclass
@@ -208,10 +209,6 @@ def release() -> None:
     if _CURRENT is not None:
         _CURRENT.close()
     _CURRENT = None
-
-
-def sampler_seed(seed: int, rank: int) -> int:
-    return seed + SAMPLER_SEED_STRIDE * rank
 
 
 class FollowerRun:

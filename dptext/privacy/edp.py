@@ -6,15 +6,20 @@ clipped as one vector to norm C, and summed. Once per step Gaussian noise N(0, (
 *in the scaled space*, then each parameter is multiplied back by α_l (so layer l's noise has std α_l·C·z_t) and
 divided by the constant number of micro-batch slots M.
 
-Micro-batch membership is fixed by index, independently of the data: with N processes and K micro-batches per
-process (``micro_batches_per_device``) there are M = N·K slots and example i belongs to slot i mod M (on rank
-i mod N). Each step Poisson-samples every example with rate q; slot m's micro-batch is its sampled examples.
-Adding or removing one example therefore changes only its own slot's micro-batch, whose clipped gradient moves
-by at most 2C (both versions have norm ≤ C). Chunking a Poisson batch sequentially would not have this
-property: one more example shifts every later chunk.
+Micro-batch membership depends on each example alone (SPEC §4): with N processes and K micro-batches per
+process (``micro_batches_per_device``) there are M = N·K slots, and example i's slot is a keyed hash of its
+stable record id (``record_ids``, e.g. a digest of its tokens) under a secret key from the run's random root
+(child "edp_slots"); its rank is slot mod N. Without record ids (library use in one process) each sampled
+example gets a fresh independent slot each step from the "edp_slots" stream. Each step Poisson-samples every
+example with rate q; slot m's micro-batch is its sampled examples. Adding or removing one example therefore
+changes only its own slot's micro-batch, whose clipped gradient moves by at most 2C (both versions have norm
+≤ C). A slot taken from the position ("i mod M", the paper's rule and ours until issue 21) does not have this
+property: removing one record shifts every later record to another slot, and the clipped sum moves by up to
+(√2−1)·C·√M. Only when M > n (every slot holds at most one example even after adding one) is the assignment
+irrelevant — each micro-batch is one example and eDP-SGD is DP-SGD with sensitivity C; then slot = index.
 
 Accounting: the sampled Gaussian mechanism with rate q and noise multiplier σ_t = z_t / 2 (noise std C·z_t over
-sensitivity 2C), or σ_t = z_t when every slot holds at most one example (M ≥ n: ordinary DP-SGD). The noise
+sensitivity 2C), or σ_t = z_t when every slot holds at most one example (M > n: ordinary DP-SGD). The noise
 decays by epoch: z_t = z_0·d(t), t = ⌊step / steps_per_epoch⌋ with steps_per_epoch = round(1/q), d = 1,
 1/(1+τt) or e^{−τt} (``dptext.accounting.schedule``, the same code the accountant composes). The ledger records
 each step's σ_t, so its ε is that of ``dptext account --sigma σ_0 --schedule ...``.
@@ -28,7 +33,7 @@ root-mean-square 1, floored at ``ALPHA_FLOOR``.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -37,21 +42,23 @@ from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.errors import UserError
 from dptext.privacy.clipping import STABILITY
 from dptext.privacy.engine import PrivacyEngine, _check_optimizer
-from dptext.privacy.optimizer import DPOptimizer, NoiseSource, random_seed
+from dptext.privacy.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.randomness import RandomRoot, keyed_hash, randomness_note
 from dptext.privacy.sampler import make_sampler
 
 SCALINGS = ("uniform", "public", "first_step")
 ALPHA_FLOOR = 1e-3
 
 
-def slot_of(index: int, slots: int) -> int:
-    """The fixed micro-batch slot of example ``index``: index mod M (independent of the data and the sample)."""
-    return index % slots
+def hashed_slots(record_ids: Sequence[bytes], slots: int, key: bytes) -> list[int]:
+    """Each record's slot as a keyed hash of its own id: independent of every other record and of its position."""
+    return [keyed_hash(key, bytes(record_id)) % slots for record_id in record_ids]
 
 
 def sensitivity_factor(slots: int, dataset_size: int) -> int:
-    """2 (sensitivity 2C) unless every slot owns at most one example, when eDP-SGD is ordinary DP-SGD."""
-    return 1 if slots >= dataset_size else 2
+    """2 (sensitivity 2C) unless every slot holds at most one example under add/remove (M > n), when eDP-SGD
+    is ordinary DP-SGD. M = n is not enough: adding a record puts two examples in one slot."""
+    return 1 if slots > dataset_size else 2
 
 
 def alphas_from_gradients(grads: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, float]:
@@ -76,8 +83,11 @@ class EDPEngine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: float, sample_rate: float, dataset_size: int, micro_batches_per_device: int = 1,
                  alphas: dict[nn.Parameter, float] | None = None, scaling: str = "uniform",
-                 schedule: NoiseSchedule = CONSTANT, steps_per_epoch: int = 1, seed: int | None = None,
-                 secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None):
+                 schedule: NoiseSchedule = CONSTANT, steps_per_epoch: int = 1, seed: int | RandomRoot | None = None,
+                 secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None,
+                 record_ids: Sequence[bytes] | None = None):
+        """``record_ids``: one stable id per example (bytes; e.g. a digest of its content), for the keyed-hash
+        slot rule; needed under torchrun unless every slot holds one example. ``seed``: see PrivacyEngine."""
         if noise_multiplier < 0 or max_grad_norm <= 0:
             raise UserError("noise_multiplier must be ≥ 0 and max_grad_norm > 0.")
         if micro_batches_per_device < 1:
@@ -104,21 +114,64 @@ class EDPEngine:
         if alphas is not None and set(alphas) != set(self.params):
             raise UserError("eDP-SGD needs one scaling α per trainable parameter tensor.")
         self.secure_rng = secure_rng
-        self.seed = None if secure_rng else (0 if seed is None else seed)
+        if secure_rng and seed is not None:
+            raise UserError("secure_rng draws noise and sampling seeds from the operating system; drop the seed.")
+        self.root = seed if isinstance(seed, RandomRoot) else RandomRoot(seed)
+        rank = self.distributed.rank if self.distributed else 0
+        self._set_slot_rule(record_ids, rank)
+        self._sampler = None
         self._record_step = getattr(ledger, "record_step", ledger)
         self.steps = 0
         self._unit_examples = 0
         self.dp_optimizer = DPOptimizer(
             optimizer, self.params, self.noise_multiplier, self.max_grad_norm, self.slots,
-            NoiseSource(self.seed, secure_rng), reduce=self.distributed.all_reduce_sum if self.distributed else None,
+            NoiseSource(self.root, secure_rng, rank),
+            reduce=self.distributed.all_reduce_sum if self.distributed else None,
             adds_noise=self.distributed is None or self.distributed.rank == 0, scale=alphas)
+
+    def _set_slot_rule(self, record_ids: Sequence[bytes] | None, rank: int) -> None:
+        """Slot = index (one example per slot), a keyed hash of the record id, or a fresh draw per step."""
+        self.slot_rule, self.slot_table, self._slot_key = "index", None, None
+        self.slot_generator = self.root.generator("edp_slots", rank)
+        if self.factor == 1:
+            return
+        if record_ids is not None:
+            if len(record_ids) != self.dataset_size:
+                raise UserError(f"eDP-SGD needs one record id per example ({self.dataset_size}), "
+                                f"got {len(record_ids)}.")
+            key = self.root.key("edp_slots")
+            self._slot_key = self.distributed.broadcast(key) if self.distributed else key  # one key for all ranks
+            self._record_ids = list(record_ids)
+            self.slot_rule, self.slot_table = "keyed_hash", hashed_slots(self._record_ids, self.slots, self._slot_key)
+        elif self.distributed:
+            raise UserError("Distributed eDP-SGD assigns examples to ranks by a keyed hash of their record id; "
+                            "pass record_ids (one stable id per example).")
+        else:
+            self.slot_rule = "draw_per_step"
+
+    def slots_of(self, indices: list[int]) -> list[int]:
+        """The slot of each sampled example this step (see the module docstring for the rule)."""
+        if self.slot_rule == "index":
+            return [index % self.slots for index in indices]
+        if self.slot_rule == "keyed_hash":
+            return [self.slot_table[index] for index in indices]
+        return torch.randint(self.slots, (len(indices),), generator=self.slot_generator).tolist()
+
+    def shard(self) -> list[int] | None:
+        """The examples this rank owns under torchrun: those whose slot lives here (slot mod N = rank)."""
+        if not self.distributed:
+            return None
+        if self.slot_table is None:
+            return self.distributed.shard(self.dataset_size)
+        rank, world = self.distributed.rank, self.world_size
+        return [i for i, slot in enumerate(self.slot_table) if slot % world == rank]
 
     # ------------------------------------------------------------------ the training step
     def clipping_units(self, indices: list[int]) -> list[list[int]]:
-        """This process's sampled ``indices`` grouped by their fixed slot (empty slots dropped)."""
+        """This process's sampled ``indices`` grouped by their slot (empty slots dropped)."""
         groups: dict[int, list[int]] = {}
-        for index in indices:
-            groups.setdefault(slot_of(index, self.slots), []).append(index)
+        for index, slot in zip(indices, self.slots_of(indices)):
+            groups.setdefault(slot, []).append(index)
         return [groups[slot] for slot in sorted(groups)]
 
     def accumulate(self, per_example_loss: Tensor) -> None:
@@ -175,9 +228,10 @@ class EDPEngine:
         return dict(self.dp_optimizer.summed)
 
     # ------------------------------------------------------------------ sampling, accounting, state
-    def sampler(self, steps: int, generator_seed: int | None = None):
-        seed = random_seed() if self.secure_rng else (generator_seed if generator_seed is not None else self.seed)
-        return make_sampler(self.dataset_size, self.sample_rate, steps, seed, "poisson", self.distributed)
+    def sampler(self, steps: int):
+        self._sampler = make_sampler(self.dataset_size, self.sample_rate, steps, self.root, "poisson",
+                                     self.distributed, shard=self.shard())
+        return self._sampler
 
     def mechanism(self) -> dict[str, Any]:
         """The guarantee and its unit, for the run summary and the ledger."""
@@ -187,7 +241,11 @@ class EDPEngine:
                      f"(accounted σ_t = z_t/{self.factor})")
         if leaks:
             guarantee += "; α measured on private data is NOT covered"
-        return {"method": "edp_sgd", "unit": "micro-batch (slot i mod M, fixed by index)",
+        unit = {"index": "one example per slot (M > n)",
+                "keyed_hash": "micro-batch (slot = keyed hash of the record id)",
+                "draw_per_step": "micro-batch (slot drawn independently per example and step)"}[self.slot_rule]
+        return {"method": "edp_sgd", "unit": unit, "slot_rule": self.slot_rule, "sampling": "poisson",
+                "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
                 "sensitivity": self.factor * self.max_grad_norm, "sensitivity_factor": self.factor,
                 "guarantee": guarantee, "processes": self.world_size, "micro_batches_per_device": self.per_device,
                 "slots": self.slots, "z0": self.noise_multiplier,
@@ -197,8 +255,21 @@ class EDPEngine:
                 "noise": "N(0, (C·z_t)²) in the scaled space once per step" + (
                     " on rank 0" if self.world_size > 1 else "") + ", then ×α_l"}
 
-    state_dict = PrivacyEngine.state_dict  # steps and the noise generators, as for DP-SGD
-    load_state_dict = PrivacyEngine.load_state_dict
+    def state_dict(self) -> dict[str, Any]:
+        """Steps, the noise generators and the slot stream; the slot key too (the checkpoint is as secret as the
+        data, see docs/privacy_engine.md), so a resumed run keeps every record in its slot."""
+        return {**PrivacyEngine.state_dict(self), "slot_generator": self.slot_generator.get_state(),
+                "slot_key": self._slot_key}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        PrivacyEngine.load_state_dict(self, state)
+        if "slot_generator" in state:
+            self.slot_generator.set_state(state["slot_generator"])
+        if state.get("slot_key") is not None and self.slot_table is not None:
+            self._slot_key = state["slot_key"]
+            self.slot_table = hashed_slots(self._record_ids, self.slots, self._slot_key)
+            if self.distributed and self._sampler is not None:  # this rank owns the examples of its slots
+                self._sampler.shard = torch.tensor(self.shard(), dtype=torch.long)
 
     def detach(self) -> None:
         """Nothing to remove: eDP-SGD uses plain autograd, no hooks."""

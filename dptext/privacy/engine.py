@@ -6,8 +6,9 @@ the count of steps, so the numbers the accountant needs (``sample_rate``, ``nois
 those of the sampler and noise that really ran.
 
 Privacy settings: noise_multiplier σ, max_grad_norm C, sample_rate q (or expected batch size B = qn),
-the sampler. Settings that do not change privacy: clipping_mode, clipping_layout's implementation, micro-batch
-size, dtype.
+the sampler (Poisson only: shuffling is not what the accountant covers, so it is refused), and the randomness:
+sampler and noise draw from separate children of one root (``dptext.privacy.randomness``), secret by default.
+Settings that do not change privacy: clipping_mode, clipping_layout's implementation, micro-batch size, dtype.
 
 Clipping modes (same clipped sums, different cost):
 * ``bookkeeping`` (default): one backward pass. The engine's parameters are taken out of autograd
@@ -33,7 +34,8 @@ from dptext.privacy import clipping
 from dptext.privacy.capture import UseRecorder
 from dptext.privacy.norms import find_child_rules, find_rule
 from dptext.privacy.norms.functional import FunctionalRule
-from dptext.privacy.optimizer import DPOptimizer, NoiseSource, random_seed
+from dptext.privacy.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
 
 CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
@@ -86,7 +88,10 @@ class PrivacyEngine:
     """Privatizes the training of ``model`` by ``optimizer``; see the module docstring and docs/privacy_engine.md.
 
     Give the sampling as ``sample_rate`` q and ``dataset_size`` n (B = qn), or ``expected_batch_size`` B with
-    either of them. ``seed`` makes noise and sampling reproducible; ``secure_rng=True`` seeds them from the OS.
+    either of them. Sampler and noise come from independent children of one random root: by default a secret
+    root drawn from ``os.urandom`` (never written anywhere); ``seed`` (an int or a ``RandomRoot``) makes them
+    reproducible, and then the guarantee holds only while the seed stays secret (``mechanism()`` says so).
+    ``secure_rng=True`` also re-seeds the noise from the OS before every step.
     ``ledger``, a ``dptext.accounting.PrivacyLedger`` (its ``record_step``) or any callable, is called as
     ``record_step(sample_rate=q, noise_multiplier=σ)`` after every noisy step. ``distributed``, a
     ``dptext.privacy.distributed.DistributedContext``, makes it one of N processes (torchrun): its sampler covers
@@ -96,7 +101,7 @@ class PrivacyEngine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: float, sample_rate: float | None = None, dataset_size: int | None = None,
                  expected_batch_size: float | None = None, clipping_mode: str = "bookkeeping",
-                 clipping_layout: str = "all_layer", sampling: str = "poisson", seed: int | None = None,
+                 clipping_layout: str = "all_layer", sampling: str = "poisson", seed: int | RandomRoot | None = None,
                  secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None):
         self.sample_rate, self.dataset_size, self.expected_batch_size = _sampling_numbers(
             sample_rate, dataset_size, expected_batch_size)
@@ -114,16 +119,18 @@ class PrivacyEngine:
         self.clipping_mode = clipping_mode
         self.clipping_layout = clipping_layout
         self.sampling = sampling
+        if sampling != "poisson":
+            raise UserError(f"sampling='{sampling}' is not covered by the Poisson-subsampling accountant, so its ε "
+                            "would not be a guarantee; use sampling='poisson' for private training (a non-private "
+                            "run may shuffle).")
         self.secure_rng = secure_rng
         if secure_rng and seed is not None:
             raise UserError("secure_rng draws noise and sampling seeds from the operating system; drop the seed.")
-        self.seed = None if secure_rng else (0 if seed is None else seed)
+        self.root = seed if isinstance(seed, RandomRoot) else RandomRoot(seed)
+        self.rank = distributed.rank if distributed is not None and distributed.active else 0
         self._record_step = getattr(ledger, "record_step", ledger)
         self.steps = 0
         self.distributed = distributed if distributed is not None and distributed.active else None
-        if self.distributed is not None and sampling != "poisson":
-            raise UserError("Distributed training samples each rank's shard by Poisson sampling; "
-                            "use privacy.sampling=poisson.")
 
         tracked = find_tracked_modules(model, clipping_mode)
         self.params = list(dict.fromkeys(getattr(m, n) for m, (_, names) in tracked.items() for n in names))
@@ -135,7 +142,7 @@ class PrivacyEngine:
             for param in self.params:
                 param.requires_grad_(False)
         self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
-                                        self.expected_batch_size, NoiseSource(self.seed, secure_rng),
+                                        self.expected_batch_size, NoiseSource(self.root, secure_rng, self.rank),
                                         reduce=self.distributed.all_reduce_sum if self.distributed else None,
                                         adds_noise=self.distributed is None or self.distributed.rank == 0)
 
@@ -244,12 +251,12 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ sampling and accounting
 
-    def sampler(self, steps: int, generator_seed: int | None = None):
-        """The batch sampler this engine is accounted for: ``steps`` batches of dataset indices."""
+    def sampler(self, steps: int):
+        """The batch sampler this engine is accounted for: ``steps`` batches of dataset indices, drawn from the
+        root's "sampler" child (independent of the noise)."""
         if self.dataset_size is None:
             raise UserError("The engine needs dataset_size to sample batches.")
-        seed = random_seed() if self.secure_rng else (generator_seed if generator_seed is not None else self.seed)
-        return make_sampler(self.dataset_size, self.sample_rate, steps, seed, self.sampling, self.distributed)
+        return make_sampler(self.dataset_size, self.sample_rate, steps, self.root, self.sampling, self.distributed)
 
     def accounting(self) -> dict[str, Any]:
         """What the accountant needs: the sampled Gaussian mechanism run so far."""
@@ -261,7 +268,9 @@ class PrivacyEngine:
         processes = self.distributed.world_size if self.distributed else 1
         return {"method": "dp_sgd", "unit": "example", "sensitivity": self.max_grad_norm,
                 "guarantee": "example-level (ε, δ); clipping unit: one example, sensitivity C",
-                "processes": processes, "noise": "N(0, σ²C²) once per step" + (" on rank 0" if processes > 1 else "")}
+                "processes": processes,
+                "noise": "N(0, σ²C²) once per step" + (" on rank 0" if processes > 1 else ""),
+                "sampling": self.sampling, "randomness": randomness_note(self.root), "noise_secret": self.root.secret}
 
     def state_dict(self) -> dict[str, Any]:
         """Steps taken and the noise generators' states (the wrapped optimizer is saved by its owner)."""

@@ -5,12 +5,14 @@ N(0, σ²C²) is added once, and the result is divided by the *expected* batch s
 one (that would leak the batch size). The wrapped torch optimizer (SGD → DP-SGD, Adam → DP-Adam, AdamW → …)
 then steps on that gradient. A step whose Poisson batch is empty is valid: the gradient is noise / B.
 
-Noise is drawn on each parameter's device from a ``torch.Generator``: seeded for reproducible research runs,
-or, with ``secure_rng=True``, re-seeded from the operating system's cryptographic source (``os.urandom``,
-64 fresh bits per step and device). Our choice and its limit: torch's generators (Mersenne Twister on CPU,
-Philox on CUDA) are fast but not cryptographic, so the secure option makes the noise unpredictable from any
-seed a user or attacker could know, but is not a CSPRNG stream; a stronger source would need a cryptographic
-generator producing Gaussian samples on the device, which torch does not ship.
+Noise is drawn on each parameter's device from a ``torch.Generator`` seeded from the "noise" child of the run's
+random root (``dptext.privacy.randomness``): a secret root from ``os.urandom`` by default, a seed-derived one only
+for reproducible research runs. It is never the sampler's stream. ``secure_rng=True`` goes further and re-seeds
+every generator from ``os.urandom`` before every step (64 fresh bits per step and device), so even a leaked
+generator state predicts at most one step — at the price of a resume that is no longer bit-exact. The limit:
+torch's generators (Mersenne Twister on CPU, Philox on CUDA) are fast but not cryptographic, so neither option is
+a CSPRNG stream; a stronger source would need a cryptographic generator producing Gaussian samples on the
+device, which torch does not ship.
 """
 
 from __future__ import annotations
@@ -21,26 +23,28 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from dptext.privacy.randomness import RandomRoot
+
 
 def random_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
 
 
 class NoiseSource:
-    """One generator per device, seeded from ``seed`` or, when ``secure``, from os.urandom before every draw."""
+    """One generator per device from the root's "noise" child (stream k for the k-th device, ``rank`` for this
+    process); when ``secure``, re-seeded from os.urandom before every step."""
 
-    def __init__(self, seed: int | None, secure: bool):
-        if secure and seed is not None:
+    def __init__(self, root: RandomRoot, secure: bool = False, rank: int = 0):
+        if secure and not root.secret:
             raise ValueError("secure_rng draws its seeds from the operating system; do not pass a seed as well")
-        self.seed = seed
+        self.root = root
+        self.rank = rank
         self.secure = secure
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
-            generator = torch.Generator(device=device)
-            seed = random_seed() if self.seed is None else self.seed + len(self._generators)
-            self._generators[device] = generator.manual_seed(seed)
+            self._generators[device] = self.root.generator("noise", self.rank, device, stream=len(self._generators))
         return self._generators[device]
 
     def reseed_if_secure(self) -> None:

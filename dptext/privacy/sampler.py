@@ -3,8 +3,8 @@
 * ``PoissonSampler``: each example joins each batch independently with probability q (SPEC §1). Batch sizes
   vary and may be 0; this is the sampling the accountant (sampled Gaussian mechanism) assumes.
 * ``ShuffleSampler``: a random permutation cut into batches of fixed size ⌊qn⌋ (epochs of disjoint batches),
-  what most training loops do. Its privacy is NOT what the Poisson accountant reports; it exists for
-  comparison and warns when built.
+  what most training loops do. Its privacy is NOT what the Poisson accountant reports, so a private engine
+  refuses it (fail closed); it exists for non-private baselines and comparisons, and warns when built.
 """
 
 from __future__ import annotations
@@ -14,21 +14,23 @@ import warnings
 
 import torch
 
-def make_sampler(dataset_size: int, sample_rate: float, steps: int, seed: int | None, sampling: str = "poisson",
-                 distributed=None):
-    """The sampler an engine is accounted for; ``seed=None`` seeds it from the OS. With a distributed context of
-    N > 1 processes: Poisson sampling of this rank's shard (see dptext.privacy.distributed)."""
-    from dptext.privacy.optimizer import random_seed
+from dptext.privacy.randomness import RandomRoot, as_root
 
-    generator = torch.Generator()
+
+def make_sampler(dataset_size: int, sample_rate: float, steps: int, seed: int | RandomRoot | None,
+                 sampling: str = "poisson", distributed=None, shard: list[int] | None = None):
+    """The sampler an engine is accounted for, drawing from the "sampler" child of ``seed``'s root (a secret
+    root when ``seed`` is None; never the noise's stream). With a distributed context of N > 1 processes:
+    Poisson sampling of this rank's shard (``shard``, or the context's index shard), from its own stream."""
+    root = as_root(seed)
     if distributed is not None and distributed.active:
-        from dptext.privacy.distributed import sampler_seed
-
-        generator.manual_seed(random_seed() if seed is None else sampler_seed(seed, distributed.rank))
-        return PoissonSampler(dataset_size, sample_rate, steps, generator, shard=distributed.shard(dataset_size))
-    generator.manual_seed(seed if seed is not None else random_seed())
-    kind = PoissonSampler if sampling == "poisson" else ShuffleSampler
-    return kind(dataset_size, sample_rate, steps, generator)
+        generator = root.generator("sampler", rank=distributed.rank)
+        own = distributed.shard(dataset_size) if shard is None else shard
+        return PoissonSampler(dataset_size, sample_rate, steps, generator, shard=own)
+    generator = root.generator("sampler")
+    if sampling == "poisson":
+        return PoissonSampler(dataset_size, sample_rate, steps, generator, shard=shard)
+    return ShuffleSampler(dataset_size, sample_rate, steps, generator)
 
 
 SHUFFLE_WARNING = ("shuffle sampling does not match the Poisson-subsampling privacy accounting: the ε "
