@@ -60,7 +60,8 @@ def table() -> str:
             cells.append(cell)
             if reason and short_reason(reason) not in reasons:
                 reasons.append(short_reason(reason))
-        lines.append(f"| {arch.name} | {arch.family} | {arch.head} | " + " | ".join(cells) + f" | {'; '.join(reasons)} |")
+        row = [arch.name, arch.family, arch.head, *cells, "; ".join(reasons)]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 

@@ -135,8 +135,11 @@ class UseRecorder:
             output.requires_grad_(True)  # a leaf: the layer's weights are excluded from autograd in this pass
         with torch.no_grad():  # what we keep feeds our own arithmetic, never autograd's graph
             detached = tuple(x.detach() if isinstance(x, Tensor) else x for x in args)
-            # A rule that derives its inputs from keyword arguments (positional embeddings' position_ids) has keep_call.
-            kept = rule.keep_call(module, detached, kwargs) if hasattr(rule, "keep_call") else rule.keep(module, detached)
+            # A rule that derives its inputs from keyword arguments (position_ids, DoRA's adapters) has keep_call.
+            if hasattr(rule, "keep_call"):
+                kept = rule.keep_call(module, detached, kwargs)
+            else:
+                kept = rule.keep(module, detached)
         if hasattr(rule, "broadcast_output"):  # one output row shared by the batch: one view per example (BART)
             output = rule.broadcast_output(module, output, kept)
         self.record(module, rule, kept, output)

@@ -12,6 +12,15 @@ Every rule offers the same four functions (there is no base class: each rule fil
 * ``outer_form(module, activation, grad_output)``: ``{name: OuterForm}`` for the parameters whose G_i is a sum
   of outer products over positions (Linear, Conv1D, Embedding); shared parameters need it for their cross terms.
 
+Optional, for layers whose call is not "batch-first input in, batch-first output out":
+* ``keep_call(module, args, kwargs)`` instead of ``keep`` when the inputs come as keywords (positions, DoRA);
+* ``broadcast_output(module, output, kept)``: an output of one row broadcast over the batch, expanded to it;
+* ``install(module, recorder, root) -> handles``: the rule records its uses itself (a bias table shared by the
+  batch, rows flattened or sequence-first), through ``recorder.record``;
+* ``unsupported(module) -> reason``: refused before step 0 with that reason.
+Child rules (``register_child_rule``) are keyed by the parent's class and the attribute name, for plain layers
+whose use is special (T5's relative bias is an nn.Embedding, OPT's fc1 an nn.Linear fed flattened rows).
+
 Rules are registered by ``nn.Module`` class (opacus style), or by the class's qualified name for the many
 Hugging Face layers that are one formula in many model files (``GemmaTextScaledWordEmbedding``,
 ``BartScaledWordEmbedding``, ...): matching the exact name keeps the registry from importing dozens of
