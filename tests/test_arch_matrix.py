@@ -27,9 +27,9 @@ KNOWN_REFUSED = {
     "deberta_v2": "its attention projections also read relative-position embeddings shared by the batch",
     "deberta_v2-cls": "its attention projections also read relative-position embeddings shared by the batch",
 }
-# Refused in one situation only: LoRA/DoRA adapters on OPT's fc1/fc2 get the flattened B·T rows, and the row-layout
-# rule is attached to fc1/fc2 themselves, not yet to adapters wrapped around them.
-KNOWN_REFUSED_SITUATIONS = {("opt", "lora"), ("opt", "dora")}
+# Refused in one situation only: LoRA/DoRA adapters on OPT's fc1/fc2 (flattened B·T rows) and on Longformer's
+# projections (sequence-first); the row-layout rules cover those layers themselves, not adapters wrapped around them.
+KNOWN_REFUSED_SITUATIONS = {("opt", "lora"), ("opt", "dora"), ("longformer", "lora"), ("longformer", "dora")}
 # Situations crossed with every mode on a core set; with book-keeping on one model per special rule.
 CORE = ["gpt2", "llama", "bert", "t5"]
 SPECIAL = ["gemma", "falcon", "cohere", "bart", "mpnet", "opt", "longformer", "biogpt"]

@@ -86,7 +86,20 @@ def find_child_rules(root: nn.Module) -> dict[nn.Module, Any]:
         for (parent_name, attribute), rule in CHILD_RULES.items():
             if qualified_name(type(parent)) == parent_name and isinstance(getattr(parent, attribute, None), nn.Module):
                 claimed[getattr(parent, attribute)] = rule
+                if hasattr(rule, "install"):  # adapters wrapped around it (peft) see the same rows or shared tensor
+                    for inner in getattr(parent, attribute).modules():
+                        if inner is not getattr(parent, attribute):
+                            claimed[inner] = WRAPPED_REFUSAL
     return claimed
+
+
+class WrappedLayerRefusal:
+    def unsupported(self, module: nn.Module) -> str:
+        return ("it sits inside a layer whose rows are not one per example (flattened, sequence-first or shared by "
+                "the batch), which the engine regroups only for that layer itself (put the adapters elsewhere)")
+
+
+WRAPPED_REFUSAL = WrappedLayerRefusal()
 
 
 def qualified_name(module_class: type) -> str:
