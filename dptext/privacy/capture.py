@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dptext.errors import UserError
+
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values")
 
 
@@ -67,10 +69,14 @@ class UseRecorder:
         self.uses: list[Use] = []
         self.batch_size: int | None = None
         self.recording = True
+        self.names = {module: name for name, module in root.named_modules()}
         self._handles = [root.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
-        for module in tracked:
+        for module, (rule, _) in tracked.items():
+            if hasattr(rule, "install"):  # a rule that records its uses itself (a table shared by the batch)
+                self._handles.extend(rule.install(module, self, root))
+                continue
             self._handles.append(module.register_forward_pre_hook(self._expand_broadcast_batch))
-            self._handles.append(module.register_forward_hook(self._on_layer_call))
+            self._handles.append(module.register_forward_hook(self._on_layer_call, with_kwargs=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -95,23 +101,31 @@ class UseRecorder:
     def outputs(self) -> list[Tensor]:
         return [use.output for use in self.uses if use.output is not None]
 
-    def _active(self) -> bool:
+    def active(self) -> bool:
         return self.recording and torch.is_grad_enabled()
 
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._active():
+        if self.active():
             self.batch_size = _batch_size(args, kwargs)
 
     def _expand_broadcast_batch(self, module: nn.Module, args: tuple):
-        if not self._active() or not args or not isinstance(args[0], Tensor):
+        if not self.active() or not args or not isinstance(args[0], Tensor):
             return None
         first = args[0]
         if first.ndim > 0 and first.shape[0] == 1 and (self.batch_size or 1) > 1:
+            if first.is_floating_point():
+                # Ids looked up for one row and broadcast (positions) expand safely; a shared float input (DeBERTa's
+                # relative-position embeddings) is reshaped downstream by its batch size, and its per-example
+                # gradients are summed by the broadcast, so neither expanding nor recording it would be right.
+                raise UserError(f"Layer '{self.names.get(module, type(module).__name__)}' "
+                                f"({type(module).__name__}) is applied to a tensor shared by the whole batch, so one "
+                                "example's gradient cannot be separated from the others'; freeze it "
+                                "(requires_grad_(False)) or leave it out of the LoRA targets.")
             return (first.expand(self.batch_size, *first.shape[1:]),) + args[1:]
         return None
 
-    def _on_layer_call(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if not self._active():
+    def _on_layer_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if not self.active():
             return None
         if not isinstance(output, Tensor):
             raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; the privacy engine "
@@ -121,12 +135,25 @@ class UseRecorder:
             output.requires_grad_(True)  # a leaf: the layer's weights are excluded from autograd in this pass
         with torch.no_grad():  # what we keep feeds our own arithmetic, never autograd's graph
             detached = tuple(x.detach() if isinstance(x, Tensor) else x for x in args)
-            use = Use(module, rule, names, rule.keep(module, detached), output if self.keep_outputs else None)
+            # A rule that derives its inputs from keyword arguments (position_ids, DoRA's adapters) has keep_call.
+            if hasattr(rule, "keep_call"):
+                kept = rule.keep_call(module, detached, kwargs)
+            else:
+                kept = rule.keep(module, detached)
+        if hasattr(rule, "broadcast_output"):  # one output row shared by the batch: one view per example (BART)
+            output = rule.broadcast_output(module, output, kept)
+        self.record(module, rule, kept, output)
+        return output
+
+    def record(self, module: nn.Module, rule: Any, kept: Any, output: Tensor, grad_view=None) -> Use:
+        """One use of ``module``: what its rule kept, and a hook that keeps the gradient reaching ``output``
+        (reshaped by ``grad_view`` for rules whose rows are regrouped by example)."""
+        use = Use(module, rule, self.tracked[module][1], kept, output if self.keep_outputs else None)
 
         def keep_grad(grad: Tensor) -> None:
             if use.grad_output is None and not use.released:
-                use.grad_output = grad
+                use.grad_output = grad if grad_view is None else grad_view(grad)
 
         output.register_hook(keep_grad)
         self.uses.append(use)
-        return output
+        return use

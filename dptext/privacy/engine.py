@@ -33,7 +33,7 @@ from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsil
 from dptext.errors import UserError
 from dptext.privacy import clipping
 from dptext.privacy.capture import UseRecorder
-from dptext.privacy.norms import find_rule
+from dptext.privacy.norms import find_child_rules, find_rule
 from dptext.privacy.norms.functional import FunctionalRule
 from dptext.privacy.optimizer import DPOptimizer, NoiseSource
 from dptext.privacy.randomness import RandomRoot, randomness_note
@@ -53,13 +53,14 @@ def find_tracked_modules(model: nn.Module, clipping_mode: str) -> dict[nn.Module
     names = _module_names(model)
     owners: dict[nn.Parameter, list[nn.Module]] = {}
     tracked, ruleless = {}, []
+    child_rules = find_child_rules(model)  # e.g. T5's relative-position bias: an nn.Embedding used batch-free
     for module in names:
         own = tuple(name for name, p in module.named_parameters(recurse=False) if p.requires_grad)
         if not own:
             continue
         for name in own:
             owners.setdefault(getattr(module, name), []).append(module)
-        rule = find_rule(module)
+        rule = child_rules.get(module) or find_rule(module)
         reason = getattr(rule, "unsupported", lambda m: None)(module) if rule else None
         if reason:
             raise UserError(f"Layer '{names[module]}' ({type(module).__name__}) cannot be trained privately: "
@@ -219,11 +220,13 @@ class PrivacyEngine:
         if not uses:
             raise UserError("No trainable layer received a gradient; was the model called with the engine's hooks "
                             "(not under torch.no_grad) before this step?")
-        wrong = {use.batch_size for use in uses} - {len(per_example_loss)}
+        wrong = [use for use in uses if use.batch_size != len(per_example_loss)]
         if wrong:
-            raise UserError(f"Recorded layer calls have batch sizes {sorted(wrong)} but the loss has "
-                            f"{len(per_example_loss)} examples; run one forward pass per accumulate/step call "
-                            "and keep evaluation forwards under torch.no_grad().")
+            layer = self.recorder.names.get(wrong[0].module, type(wrong[0].module).__name__)
+            raise UserError(f"Layer '{layer}' ({type(wrong[0].module).__name__}) saw {wrong[0].batch_size} rows but "
+                            f"the loss has {len(per_example_loss)} examples, so its rows are not examples (tokens "
+                            "gathered or flattened across the batch, or a second forward pass); freeze it, or run "
+                            "one forward pass per accumulate/step call.")
         return uses
 
     def _coefficients(self, norms_sq):

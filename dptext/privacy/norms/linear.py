@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.privacy.norms.outer import OuterForm
-from dptext.privacy.norms.registry import register_rule
+from dptext.privacy.norms.registry import register_rule, register_rule_by_name
 
 
 def as_sequences(x: Tensor) -> Tensor:
@@ -99,3 +99,7 @@ class LinearRule:
     def outer_form(self, module, names, activation, grad_output) -> dict[str, OuterForm]:
         left, right = self._left_right(activation, grad_output)
         return {"weight": OuterForm(left=left, right=right)}
+
+
+# Falcon's FalconLinear computes input @ Wᵀ + b, nn.Linear's own formula written out (to avoid a fused kernel).
+register_rule_by_name("transformers.models.falcon.modeling_falcon.FalconLinear")(LinearRule)
