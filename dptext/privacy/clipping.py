@@ -99,3 +99,36 @@ def per_example_grads(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
 def clipped_sums_from_per_example(grads: dict[nn.Parameter, Tensor],
                                   coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
     return {param: torch.tensordot(coef[param].to(grad.dtype), grad, dims=1) for param, grad in grads.items()}
+
+
+def invariant_tolerance(dtypes) -> float:
+    """Relative slack for rounding: sums formed in bf16/fp16 (autocast) round far more than fp32 ones."""
+    return 2e-2 if any(dtype in (torch.bfloat16, torch.float16) for dtype in dtypes) else 1e-3
+
+
+def check_clipped_sums(sums: dict[nn.Parameter, Tensor], norms: Tensor, units: int, max_grad_norm: float,
+                       layout: str, num_groups: int) -> tuple[nn.Parameter, str] | None:
+    """The per-step invariant (issue 23): per-example norms finite, and the clipped sum of ``units`` units within
+    units·C (per-layer layout: each parameter within units·C/√P). Returns (parameter, why) on a violation.
+
+    It runs on private data, so ``why`` names the failed property, never a value from the batch. Triangle
+    inequality: ‖Σ_i c_i g_i‖ ≤ Σ_i ‖c_i g_i‖ ≤ units·C whatever the data, so a violation is an engine bug
+    (or a non-finite gradient), not bad luck."""
+    if not bool(torch.isfinite(norms).all()):
+        return next(iter(sums), None), "a per-example gradient norm is not finite"
+    if not sums:
+        return None
+    tolerance = invariant_tolerance({total.dtype for total in sums.values()})
+    params = list(sums)
+    squares = torch.stack([sums[param].float().pow(2).sum().to(norms.device) for param in params])
+    if not bool(torch.isfinite(squares).all()):  # one device sync per check, not one per parameter
+        return params[int((~torch.isfinite(squares)).nonzero()[0])], "its clipped sum is not finite"
+    if layout == "all_layer":
+        if float(squares.sum().sqrt()) > units * max_grad_norm * (1 + tolerance):
+            return params[int(squares.argmax())], "the clipped sum exceeds the batch's budget of units × C"
+        return None
+    budget = units * max_grad_norm / math.sqrt(num_groups) * (1 + tolerance)
+    over = squares.sqrt() > budget
+    if bool(over.any()):
+        return params[int(over.nonzero()[0])], "its clipped sum exceeds its per-layer budget of units × C/√P"
+    return None

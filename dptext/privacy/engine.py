@@ -35,6 +35,7 @@ from dptext.privacy.norms import find_rule
 from dptext.privacy.norms.functional import FunctionalRule
 from dptext.privacy.optimizer import DPOptimizer, NoiseSource, random_seed
 from dptext.privacy.sampler import make_sampler
+from dptext.privacy.verify import probe as verify_probe
 
 CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
 CLIPPING_LAYOUTS = ("all_layer", "per_layer")
@@ -81,6 +82,25 @@ def find_tracked_modules(model: nn.Module, clipping_mode: str) -> dict[nn.Module
     return tracked
 
 
+def unproven_rules(model: nn.Module, tracked: dict[nn.Module, Any]) -> dict[nn.Module, str]:
+    """Tracked modules whose rule holds only if the start-up probe confirms it on that module (issue 23 point 3).
+
+    The registry already refuses subclasses that override ``forward`` and confirms structural matches
+    numerically; what it cannot see is an instance whose ``forward`` was replaced and foreign forward hooks
+    (a pre-hook rewrites the input, a hook registered with prepend=True rewrites the output before ours). Hooks are found through
+    ``Module._forward_hooks`` and friends: torch has no public way to list them."""
+    from torch.nn.modules import module as torch_module
+
+    global_hooks = bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+    unproven = {}
+    for module, (rule, _) in tracked.items():
+        if "forward" in vars(module):
+            unproven[module] = "its forward is replaced on the instance"
+        elif module._forward_hooks or module._forward_pre_hooks or global_hooks:
+            unproven[module] = "other forward hooks can rewrite its inputs or outputs"
+    return unproven
+
+
 class PrivacyEngine:
     """Privatizes the training of ``model`` by ``optimizer``; see the module docstring and docs/privacy_engine.md.
 
@@ -124,19 +144,61 @@ class PrivacyEngine:
             raise UserError("Distributed training samples each rank's shard by Poisson sampling; "
                             "use privacy.sampling=poisson.")
 
-        tracked = find_tracked_modules(model, clipping_mode)
-        self.params = list(dict.fromkeys(getattr(m, n) for m, (_, names) in tracked.items() for n in names))
-        if not self.params:
-            raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
-        _check_optimizer(optimizer, self.params)
-        self.recorder = UseRecorder(model, tracked, keep_outputs=clipping_mode == "ghost")
-        if clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
-            for param in self.params:
-                param.requires_grad_(False)
+        self.optimizer = optimizer
+        self.names = _module_names(model)
+        self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
+        self._probe_args: tuple = ()
+        self._plan()
         self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
                                         self.expected_batch_size, NoiseSource(self.seed, secure_rng),
                                         reduce=self.distributed.all_reduce_sum if self.distributed else None,
                                         adds_noise=self.distributed is None or self.distributed.rank == 0)
+
+    def _plan(self) -> None:
+        """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
+        self.names = _module_names(self.model)
+        self.tracked = find_tracked_modules(self.model, self.clipping_mode)
+        self.params = list(dict.fromkeys(getattr(m, n) for m, (_, names) in self.tracked.items() for n in names))
+        if not self.params:
+            raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
+        _check_optimizer(self.optimizer, self.params, self._param_names())
+        self.unproven = unproven_rules(self.model, self.tracked)
+        self.recorder = UseRecorder(self.model, self.tracked, keep_outputs=self.clipping_mode == "ghost",
+                                    names=self.names)
+        if self.clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
+            for param in self.params:
+                param.requires_grad_(False)
+
+    def _param_names(self) -> dict[nn.Parameter, str]:
+        return {param: name for name, param in self.model.named_parameters(remove_duplicate=False)}
+
+    def replan(self, verify: bool = True) -> None:
+        """Re-plan after the trainable set changed (a layer unfrozen, a head replaced, ``add_param_group``).
+
+        Call it between logical steps. With ``verify`` (and a probe run before), the synthetic probe re-verifies
+        the new plan before the next step; nothing is trusted from the old one."""
+        if self.dp_optimizer.summed:
+            raise UserError("replan() was called in the middle of a logical batch; call it after step().")
+        self.recorder.remove()
+        if self.clipping_mode != "ghost":
+            for param in self.params:
+                param.requires_grad_(True)
+        self._plan()
+        self.dp_optimizer.params = self.params
+        self.verified = False
+        if verify and self._probe_args:
+            self.verify(*self._probe_args)
+
+    def verify(self, make_batch=None, loss_fn=None, **options):
+        """Run the start-up probe (``dptext.privacy.verify.probe``) on synthetic inputs; refuse on any mismatch.
+
+        Returns the per-layer report. ``replan()`` re-runs it with the same arguments."""
+        report = verify_probe(self, make_batch, loss_fn, **options)
+        self._probe_args = (make_batch, loss_fn)
+        report.raise_if_refused()
+        self.verified = True
+        self.recorder.verified = set(self.tracked)
+        return report
 
     # ------------------------------------------------------------------ the training step
 
@@ -157,14 +219,30 @@ class PrivacyEngine:
 
     def _clip_and_sum_uses(self, uses) -> Tensor:
         if self.clipping_mode == "bookkeeping":
-            coef, norms = self._coefficients(clipping.norm_sq_per_parameter(uses))
+            norms_sq = clipping.norm_sq_per_parameter(uses)
+            coef, norms = self._coefficients(norms_sq)
             sums = clipping.clipped_sums(uses, coef)
         else:
             grads = clipping.per_example_grads(uses)
-            coef, norms = self._coefficients(clipping.norm_sq_from_per_example(grads))
+            norms_sq = clipping.norm_sq_from_per_example(grads)
+            coef, norms = self._coefficients(norms_sq)
             sums = clipping.clipped_sums_from_per_example(grads, coef)
-        self.dp_optimizer.add_clipped_sums(sums, uses[0].batch_size)
+        self._add_checked(sums, norms_sq, norms, uses[0].batch_size)
         return norms
+
+    def _add_checked(self, sums, norms_sq, norms, units: int) -> None:
+        """The per-step invariant, then the sums join the logical batch; a violation writes nothing."""
+        self.last_norms_sq = norms_sq if self.recorder.probing else None
+        problem = clipping.check_clipped_sums(sums, norms, units, self.max_grad_norm, self.clipping_layout,
+                                              len(self.params))
+        if problem is not None:
+            self.dp_optimizer.zero_grad()
+            param, why = problem
+            name = self._param_names().get(param, "?") if param is not None else "(no parameter)"
+            raise UserError(f"The per-step privacy check failed at parameter '{name}' ({why}); nothing from this "
+                            "batch was applied — lower the learning rate if training diverged, else report this "
+                            "engine bug and use clipping_mode='per_sample' meanwhile.")
+        self.dp_optimizer.add_clipped_sums(sums, units)
 
     def accumulate(self, per_example_loss: Tensor) -> Tensor:
         """Backward pass for one (micro-)batch: adds its clipped per-example gradients to the logical batch.
@@ -192,10 +270,21 @@ class PrivacyEngine:
         Calling it with nothing accumulated is the step of an empty Poisson batch: noise only."""
         if per_example_loss is not None:
             self.accumulate(per_example_loss)
+        self._check_trainable_set()
         self.dp_optimizer.step()
         self.steps += 1
         if self._record_step is not None:
             self._record_step(sample_rate=self.sample_rate, noise_multiplier=self.noise_multiplier)
+
+    def _check_trainable_set(self) -> None:
+        """Every parameter the model would train must be in this plan (gradual unfreezing, a replaced head)."""
+        planned = set(self.params)
+        for name, param in self.model.named_parameters():
+            if param.requires_grad and param not in planned:
+                self.dp_optimizer.zero_grad()
+                raise UserError(f"Parameter '{name}' became trainable after the privacy engine planned its "
+                                "clipping, so it has no clipped gradient; call engine.replan() after changing "
+                                "what is trained (it re-runs the probe), or freeze it.")
 
     def zero_grad(self) -> None:
         """Drop what was accumulated for the current logical batch."""
@@ -211,6 +300,14 @@ class PrivacyEngine:
         if not uses:
             raise UserError("No trainable layer received a gradient; was the model called with the engine's hooks "
                             "(not under torch.no_grad) before this step?")
+        for use in uses:
+            name = self.names.get(use.module, type(use.module).__name__)
+            if use.problem:
+                raise UserError(f"Layer '{name}' ({type(use.module).__name__}) cannot be clipped exactly: "
+                                f"{use.problem}; freeze it, train it through LoRA, or change the model.")
+            if use.module in self.unproven and use.module not in self.recorder.verified and not self.recorder.probing:
+                raise UserError(f"Layer '{name}' ({type(use.module).__name__}) needs the start-up probe because "
+                                f"{self.unproven[use.module]}; run engine.verify() (privacy.verify) or freeze it.")
         wrong = {use.batch_size for use in uses} - {len(per_example_loss)}
         if wrong:
             raise UserError(f"Recorded layer calls have batch sizes {sorted(wrong)} but the loss has "
@@ -226,7 +323,8 @@ class PrivacyEngine:
         torch.autograd.grad(per_example_loss.sum(), self.recorder.outputs(), retain_graph=True, allow_unused=True)
         uses = self._uses_for(per_example_loss)
         with self._exact_arithmetic():
-            coef, norms = self._coefficients(clipping.norm_sq_per_parameter(uses))
+            norms_sq = clipping.norm_sq_per_parameter(uses)
+            coef, norms = self._coefficients(norms_sq)
         for use in uses:  # pass 2 needs none of them; the retained graph would keep them alive
             use.release()
         del uses
@@ -236,7 +334,7 @@ class PrivacyEngine:
         sums = {param: param.grad for param in self.params if param.grad is not None}
         for param in self.params:
             param.grad = None
-        self.dp_optimizer.add_clipped_sums(sums, len(per_example_loss))
+        self._add_checked(sums, norms_sq, norms, len(per_example_loss))
         return norms
 
     # ------------------------------------------------------------------ sampling and accounting
@@ -296,11 +394,13 @@ def _sampling_numbers(sample_rate, dataset_size, expected_batch_size) -> tuple[f
     return float(sample_rate), dataset_size, float(expected_batch_size)
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                     names: dict[nn.Parameter, str] | None = None) -> None:
     private = set(params)
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.requires_grad and param not in private:
-                raise UserError(f"The optimizer updates a parameter of shape {tuple(param.shape)} that is not a "
-                                "trainable parameter of the model given to the engine, so it would not be "
-                                "privatized; pass the model that owns it or remove it from the optimizer.")
+                what = f"'{names[param]}'" if names and param in names else f"of shape {tuple(param.shape)}"
+                raise UserError(f"The optimizer updates a parameter {what} that is not a trainable parameter of "
+                                "the model given to the engine, so it would not be privatized; pass the model "
+                                "that owns it or remove it from the optimizer.")

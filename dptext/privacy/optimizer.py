@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from dptext.errors import UserError
+
 
 def random_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
@@ -112,7 +114,22 @@ class DPOptimizer:
         self.zero_grad()
         return grads
 
+    def check_owned(self) -> None:
+        """The optimizer must update nothing but the planned parameters (issue 23): a parameter added later with
+        ``add_param_group``, or one that requires grad / holds a ``.grad`` outside the plan, would get its raw
+        gradient. Stops before the update and drops the logical batch."""
+        planned = set(self.params)
+        for index, group in enumerate(self.optimizer.param_groups):
+            for param in group["params"]:
+                if param not in planned and (param.requires_grad or param.grad is not None):
+                    self.zero_grad()
+                    raise UserError(f"The optimizer's param group {index} holds a parameter of shape "
+                                    f"{tuple(param.shape)} that the privacy engine did not plan, so it would get a "
+                                    "raw gradient; call engine.replan() after add_param_group or unfreezing "
+                                    "(it re-runs the probe), or freeze it.")
+
     def step(self) -> None:
+        self.check_owned()
         for param, grad in self.privatized_grads().items():
             param.grad = grad.to(param.dtype)
         self.optimizer.step()
