@@ -126,6 +126,9 @@ class PrivacyConfig:
         "none", "edp_sgd: noise decay by epoch t = step // round(1/q): z_t = z_0, z_0/(1+τt) or z_0·e^(−τt).")
     noise_decay_rate: float = doc(0.0, "edp_sgd: the decay rate τ of noise_decay.")
     secure_rng: bool = doc(False, "Draw noise from a cryptographically secure source (production runs).")
+    verify: bool = doc(True, "Before training, check the engine's per-example norms and clipped sums against "
+                       "brute-force autograd on synthetic token ids (no private data, no privacy cost); any "
+                       "mismatch stops the run naming the layer. Does not change privacy.")
 
 
 @dataclass

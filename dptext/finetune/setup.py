@@ -176,11 +176,27 @@ def build_training(recipe: Any) -> Training:
             clipping_layout=privacy.clipping_layout, sampling=privacy.sampling,
             seed=None if privacy.secure_rng else recipe.train.seed, secure_rng=privacy.secure_rng,
             ledger=training.ledger.record_step, distributed=dist)
+        if privacy.verify:
+            training.engine.verify(loss_fn=probe_loss(task))
         training.sampler = training.engine.sampler(plan.steps)
     else:  # the same Poisson batches, no clipping or noise: the non-private baseline of the same recipe
         training.sampler = make_sampler(len(train), plan.sample_rate, plan.steps, recipe.train.seed, "poisson", dist)
     training.physical_batch_size = recipe.train.physical_batch_size or choose_physical_batch_size(training)
     return training
+
+
+def probe_loss(task):
+    """The start-up probe's loss: the task's own per-example loss where synthetic ids make a valid batch for it
+    (language modelling: labels are the ids), else a random functional of the model's outputs (the engine's
+    default), which still checks every layer but not the task's loss."""
+    if task.head != "causal_lm":
+        return None
+
+    def loss_fn(model, batch):
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return task.per_example_loss(model, {**batch, "labels": labels})
+
+    return loss_fn
 
 
 def choose_physical_batch_size(training: Training) -> int:
