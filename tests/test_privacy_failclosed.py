@@ -141,3 +141,263 @@ def test_linear_followed_by_inplace_relu_in_a_sequential_is_caught_by_the_probe(
     with pytest.raises(UserError, match=r"layer '1' \(Linear\).*in place"):
         engine.verify(make_batch=lambda b, t, g: {"input_ids": batch(b, t, g)["input_ids"]},
                       loss_fn=lambda m, x: m(x["input_ids"]).sum(dim=(1, 2)))
+
+
+# ---------------------------------------------------------------- issue 23: the optimizer owns the parameter set
+
+def one_step(engine, model, rows=4):
+    batch = synthetic_token_batch(model)(rows, 5, torch.Generator().manual_seed(1))
+    engine.step(output_functional_loss(model, batch))
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
+def test_a_layer_unfrozen_later_stops_the_step_until_replan(mode):
+    model = Tiny()
+    model.fc.requires_grad_(False)
+    engine, optimizer = make_engine(model, mode)
+    model.fc.requires_grad_(True)
+    optimizer.add_param_group({"params": list(model.fc.parameters())})
+    before = model.fc.weight.detach().clone()
+    with pytest.raises(UserError, match=r"'fc\.weight'.*replan"):
+        one_step(engine, model)
+    assert torch.equal(model.fc.weight, before)  # stopped before the update
+    engine.replan()
+    assert engine.verified
+    one_step(engine, model)
+    assert not torch.equal(model.fc.weight, before)
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
+def test_a_replaced_head_or_foreign_param_group_never_gets_a_raw_gradient(mode):
+    model = Tiny()
+    engine, optimizer = make_engine(model, mode)
+    model.fc.requires_grad_(False)  # the old head leaves training (it stays in the optimizer's group)
+    model.fc = nn.Linear(WIDTH, WIDTH).double()
+    optimizer.add_param_group({"params": list(model.fc.parameters())})
+    with pytest.raises(UserError, match="replan"):
+        one_step(engine, model)
+    stray = nn.Parameter(torch.ones(2, dtype=torch.float64), requires_grad=False)
+    stray.grad = torch.ones(2, dtype=torch.float64)
+    engine.replan()
+    optimizer.add_param_group({"params": [stray]})
+    with pytest.raises(UserError, match="raw gradient"):
+        one_step(engine, model)
+    assert torch.equal(stray, torch.ones(2, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- the per-step invariant
+
+class ScaledLinearRule:
+    """A deliberately wrong rule: its clipped sums are 50× too large (an engine bug to be caught)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def clipped_sum(self, *args):
+        return {k: 50 * v for k, v in self.inner.clipped_sum(*args).items()}
+
+
+@pytest.mark.parametrize("layout", ["all_layer", "per_layer"])
+def test_the_per_step_invariant_stops_a_wrong_clipped_sum_and_writes_nothing(layout):
+    model = Tiny()
+    engine, _ = make_engine(model, "bookkeeping", layout)
+    rule, names = engine.tracked[model.fc]
+    engine.tracked[model.fc] = (ScaledLinearRule(rule), names)
+    engine.recorder.tracked = engine.tracked
+    batch = synthetic_token_batch(model)(4, 5, torch.Generator().manual_seed(1))
+    with pytest.raises(UserError, match=r"per-step privacy check failed at parameter 'fc\.weight'") as error:
+        engine.accumulate(output_functional_loss(model, batch))
+    assert not engine.clipped_grads()
+    assert "tensor(" not in str(error.value)  # never values from the batch
+
+
+def test_non_finite_per_example_norms_stop_the_step():
+    model = Tiny()
+    engine, _ = make_engine(model, "bookkeeping")
+    batch = synthetic_token_batch(model)(3, 5, torch.Generator().manual_seed(1))
+    loss = output_functional_loss(model, batch) * torch.tensor([1.0, float("inf"), 1.0], dtype=torch.float64)
+    with pytest.raises(UserError, match="not finite"):
+        engine.accumulate(loss)
+    assert not engine.clipped_grads()
+
+
+# ---------------------------------------------------------------- the per-example loss
+
+def scalar_broadcast_loss(model, batch):
+    return output_functional_loss(model, batch).sum().expand(batch["input_ids"].shape[0])
+
+
+def in_batch_negatives_loss(model, batch):
+    pooled = model(**batch).mean(dim=1)
+    scores = pooled @ pooled.t()
+    return -torch.log_softmax(scores, dim=1).diagonal()
+
+
+@pytest.mark.parametrize("mode,layout", CASES)
+@pytest.mark.parametrize("loss_fn", [scalar_broadcast_loss, in_batch_negatives_loss])
+def test_losses_where_examples_interact_are_refused(loss_fn, mode, layout):
+    engine, _ = make_engine(Tiny(), mode, layout)
+    with pytest.raises(UserError, match="refused the loss: changing one example"):
+        engine.verify(loss_fn=loss_fn)
+
+
+def test_a_loss_with_the_wrong_shape_is_refused():
+    engine, _ = make_engine(Tiny(), "bookkeeping")
+    with pytest.raises(UserError, match="one loss per example"):
+        engine.verify(loss_fn=lambda m, b: output_functional_loss(m, b)[:, None])
+
+
+def test_batch_statistics_in_the_model_are_refused():
+    def batch_mean(h, m):
+        return m.fc(h - h.mean(dim=0, keepdim=True))
+
+    assert "changing one example" in verify_outcome(Tiny(batch_mean), "bookkeeping")
+
+
+# ---------------------------------------------------------------- hooks, subclasses, expansions, experts
+
+@pytest.mark.parametrize("mode,layout", CASES)
+def test_a_foreign_hook_that_rewrites_the_output_is_exact_after_the_probe(mode, layout):
+    model = Tiny()
+    model.fc.register_forward_hook(lambda m, a, out: 3.0 * out)
+    engine, _ = make_engine(model, mode, layout)
+    batch = synthetic_token_batch(model)(3, 5, torch.Generator().manual_seed(1))
+    with pytest.raises(UserError, match=r"'fc'.*needs the start-up probe"):
+        engine.accumulate(output_functional_loss(model, batch))
+    engine.detach()
+    assert verify_outcome(model, mode, layout) == "exact"
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
+def test_hooks_added_after_the_plan_stop_the_step(mode):
+    model = Tiny()
+    engine, _ = make_engine(model, mode)
+    model.fc.register_forward_hook(lambda m, a, out: out.tanh(), prepend=True)
+    batch = synthetic_token_batch(model)(3, 5, torch.Generator().manual_seed(1))
+    with pytest.raises(UserError, match=r"hooks of layer 'fc' changed.*replan"):
+        engine.accumulate(output_functional_loss(model, batch))
+
+
+class GatedNorm(nn.Module):
+    """RMSNorm-shaped (one weight, eps) but its forward takes a gate: only the structure matches."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = 1e-6
+
+    def forward(self, x, gate=None):
+        y = self.weight * x * (x.pow(2).mean(-1, keepdim=True) + self.eps).rsqrt()
+        return y if gate is None else y * torch.sigmoid(gate)
+
+
+@pytest.mark.parametrize("mode,layout", CASES)
+def test_a_structural_match_called_with_an_extra_input_is_refused_or_exact(mode, layout):
+    model = Tiny(lambda h, m: m.extra(m.fc(h), gate=h), extra=GatedNorm(WIDTH))
+    engine, _ = make_engine(model, mode, layout)
+    batch = synthetic_token_batch(model)(3, 5, torch.Generator().manual_seed(1))
+    if mode != "per_sample":
+        with pytest.raises(UserError, match=r"'extra'.*called with 2 inputs"):
+            engine.accumulate(output_functional_loss(model, batch))
+    engine.detach()
+    outcome = verify_outcome(model, mode, layout)
+    assert outcome == "exact" or "'extra'" in outcome
+
+
+def test_an_expert_fed_exactly_b_rows_of_other_examples_tokens_is_refused():
+    def expert(h, m):  # the router sends the first B tokens of the flattened batch: B rows, not B examples
+        flat = h.reshape(-1, h.shape[-1])
+        chosen = torch.arange(h.shape[0])
+        routed = torch.zeros_like(flat).index_add(0, chosen, m.fc(flat[chosen]))
+        return routed.reshape(h.shape)
+
+    def capacity_router(h, m):  # top-B tokens by score: routing makes examples interact
+        flat = h.reshape(-1, h.shape[-1])
+        chosen = flat[:, 0].topk(h.shape[0]).indices
+        routed = torch.zeros_like(flat).index_add(0, chosen, m.fc(flat[chosen]))
+        return routed.reshape(h.shape)
+
+    for mode, layout in CASES:
+        assert "'fc'" in verify_outcome(Tiny(expert), mode, layout)
+        outcome = verify_outcome(Tiny(capacity_router), mode, layout)
+        assert "'fc'" in outcome or "examples interact" in outcome
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
+def test_a_shared_batch_one_prompt_is_exact_or_refused(mode):
+    class Prompted(Tiny):
+        def __init__(self, repeat):
+            super().__init__()
+            self.prompt = nn.Embedding(3, WIDTH)
+            self.repeat = repeat
+
+        def forward(self, input_ids, attention_mask=None):
+            prompt = self.prompt(torch.arange(3)[None])  # batch 1, broadcast below
+            b = input_ids.shape[0]
+            prompt = prompt.repeat(b, 1, 1) if self.repeat else prompt.expand(b, -1, -1)
+            return self.fc(torch.cat([prompt, self.embed(input_ids)], dim=1))[:, 3:]
+
+    assert verify_outcome(Prompted(repeat=False), mode) == "exact"
+    assert "'prompt'" in verify_outcome(Prompted(repeat=True), mode)
+
+
+# ---------------------------------------------------------------- per_sample's torch.func fallback
+
+class MaskedMix(nn.Module):
+    """No rule: mixes positions with a (T, T) mask passed as a keyword."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) * 0.3)
+
+    def forward(self, x, mask=None):
+        return torch.einsum("st,btd->bsd", mask, x @ self.weight)
+
+
+@pytest.mark.parametrize("layout", ["all_layer", "per_layer"])
+def test_functional_fallback_keeps_keyword_masks_and_does_not_split_them(layout):
+    def body(h, m):
+        positions = h.shape[1]
+        return m.extra(m.fc(h), mask=torch.tril(torch.ones(positions, positions, dtype=h.dtype)))
+
+    model = Tiny(body, extra=MaskedMix(WIDTH))
+    assert verify_outcome(model, "per_sample", layout) == "exact"
+    engine, _ = make_engine(Tiny(body, extra=MaskedMix(WIDTH)), "per_sample", layout)
+    batch = synthetic_token_batch(model)(4, 4, torch.Generator().manual_seed(1))
+    with pytest.raises(UserError, match="ambiguous"):  # B = T before the probe taught it which input is batched
+        engine.accumulate(output_functional_loss(engine.model, batch))
+
+
+# ---------------------------------------------------------------- random stacks: exact or refused, never wrong
+
+OPS = ["linear", "relu_inplace", "mul_inplace", "functional_embed", "reuse_fc", "tanh"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=4),
+       mode_layout=st.sampled_from(CASES))
+def test_random_layer_stacks_are_exact_or_refused(ops, mode_layout):
+    def body(h, m):
+        for op in ops:
+            if op == "linear":
+                h = m.extra(h)
+            elif op == "relu_inplace":
+                h = F.relu(m.fc(h), inplace=True)
+            elif op == "mul_inplace":
+                h = m.fc(h).mul_(0.5)
+            elif op == "functional_embed":
+                h = F.linear(h, m.embed.weight) @ m.embed.weight
+            elif op == "reuse_fc":
+                h = m.fc(m.fc(h))
+            else:
+                h = torch.tanh(h)
+        return h
+
+    torch.manual_seed(len(ops))
+    outcome = verify_outcome(Tiny(body, extra=nn.Linear(WIDTH, WIDTH)), *mode_layout)
+    # verify_outcome checks the remove-one-example sensitivity whenever the probe accepts the model
+    if outcome != "exact":
+        assert "layer '" in outcome

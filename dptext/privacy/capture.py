@@ -59,13 +59,9 @@ class Use:
         self.released = True
 
     @property
-    def rows(self) -> int:
-        activation = self.activation[0] if isinstance(self.activation, tuple) else self.activation
-        return activation.shape[0]
-
-    @property
     def batch_size(self) -> int:
-        return self.rows
+        """The number of units in this use's rows (the engine checks it against the loss)."""
+        return -1 if self.units is None else len(self.units)
 
 
 def model_batch_size(args: tuple, kwargs: dict) -> int | None:
@@ -90,6 +86,15 @@ def bind_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return tuple(bound.arguments.values())
 
 
+def hook_keys(module: nn.Module) -> tuple:
+    # torch has no public way to list a module's hooks; the handles' ids in these dicts say which are there.
+    return tuple(module._forward_pre_hooks), tuple(module._forward_hooks)
+
+
+def _detached(values) -> tuple:
+    return tuple(x.detach() if isinstance(x, Tensor) else x for x in values)
+
+
 class UseRecorder:
     """Installs the hooks on ``root`` and the tracked modules; ``uses`` fills up during forward passes.
 
@@ -112,6 +117,12 @@ class UseRecorder:
         for module in tracked:
             self._handles.append(module.register_forward_pre_hook(self._expand_broadcast_batch, prepend=True))
             self._handles.append(module.register_forward_hook(self._on_layer_call, with_kwargs=True, prepend=True))
+        self.hook_keys = {module: hook_keys(module) for module in tracked}
+
+    def hooks_changed(self, module: nn.Module) -> bool:
+        """Forward hooks added or removed on ``module`` since the plan (one registered later with prepend=True
+        would run before ours and rewrite the output we record)."""
+        return hook_keys(module) != self.hook_keys[module]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -165,7 +176,8 @@ class UseRecorder:
             raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) returned "
                             f"{type(output).__name__}, but its rule describes a layer returning one tensor; "
                             "freeze it or use clipping_mode='per_sample'.")
-        inputs = bind_inputs(module, args, kwargs)
+        inputs = args + tuple(kwargs.values()) if getattr(rule, "takes_keywords", False) else \
+            bind_inputs(module, args, kwargs)
         expected = getattr(rule, "num_inputs", 1)
         if expected is not None and len(inputs) != expected and not self.probing and module not in self.verified:
             raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) is called with "
@@ -174,11 +186,15 @@ class UseRecorder:
         if not output.requires_grad:
             output.requires_grad_(True)  # a leaf: the layer's weights are excluded from autograd in this pass
         with torch.no_grad():  # what we keep feeds our own arithmetic, never autograd's graph
-            detached = tuple(x.detach() if isinstance(x, Tensor) else x for x in inputs)
+            rows = output.shape[0] if output.ndim else 0
+            if getattr(rule, "takes_keywords", False):  # the torch.func fallback replays the call as made
+                kept = rule.keep(module, (_detached(args), {k: v for k, v in zip(kwargs, _detached(kwargs.values()))},
+                                          self.batch_size))
+            else:
+                kept = rule.keep(module, _detached(inputs))
             keep_output = self.keep_outputs or self.probing
-            use = Use(module, rule, names, rule.keep(module, detached), output=output if keep_output else None,
+            use = Use(module, rule, names, kept, output=output if keep_output else None,
                       version=output._version, output_ref=weakref.ref(output))
-        rows = output.shape[0] if output.ndim else 0
         if self.batch_size is None or rows != self.batch_size:
             use.problem = (f"its output has {rows} rows where the model's batch has {self.batch_size} examples, so "
                            "its rows are not one example each (sequence-first layout, experts fed gathered tokens, "

@@ -172,22 +172,24 @@ class PrivacyEngine:
     def _param_names(self) -> dict[nn.Parameter, str]:
         return {param: name for name, param in self.model.named_parameters(remove_duplicate=False)}
 
-    def replan(self, verify: bool = True) -> None:
+    def replan(self, verify: bool = True, make_batch=None, loss_fn=None) -> None:
         """Re-plan after the trainable set changed (a layer unfrozen, a head replaced, ``add_param_group``).
 
-        Call it between logical steps. With ``verify`` (and a probe run before), the synthetic probe re-verifies
-        the new plan before the next step; nothing is trusted from the old one."""
+        Call it between logical steps. With ``verify`` the synthetic probe re-verifies the new plan (with the
+        arguments of the last ``verify()`` unless new ones are given); nothing is trusted from the old plan."""
         if self.dp_optimizer.summed:
             raise UserError("replan() was called in the middle of a logical batch; call it after step().")
         self.recorder.remove()
-        if self.clipping_mode != "ghost":
+        if self.clipping_mode != "ghost":  # give autograd back what the old plan took, if still in the model
+            in_model = set(self.model.parameters())
             for param in self.params:
-                param.requires_grad_(True)
+                param.requires_grad_(param in in_model)
         self._plan()
         self.dp_optimizer.params = self.params
         self.verified = False
-        if verify and self._probe_args:
-            self.verify(*self._probe_args)
+        if verify:
+            old_batch, old_loss = self._probe_args or (None, None)
+            self.verify(make_batch or old_batch, loss_fn or old_loss)
 
     def verify(self, make_batch=None, loss_fn=None, **options):
         """Run the start-up probe (``dptext.privacy.verify.probe``) on synthetic inputs; refuse on any mismatch.
@@ -305,6 +307,9 @@ class PrivacyEngine:
             if use.problem:
                 raise UserError(f"Layer '{name}' ({type(use.module).__name__}) cannot be clipped exactly: "
                                 f"{use.problem}; freeze it, train it through LoRA, or change the model.")
+            if not self.recorder.probing and self.recorder.hooks_changed(use.module):
+                raise UserError(f"Forward hooks of layer '{name}' changed after the privacy engine planned its "
+                                "clipping; call engine.replan() (it re-runs the probe) after adding hooks.")
             if use.module in self.unproven and use.module not in self.recorder.verified and not self.recorder.probing:
                 raise UserError(f"Layer '{name}' ({type(use.module).__name__}) needs the start-up probe because "
                                 f"{self.unproven[use.module]}; run engine.verify() (privacy.verify) or freeze it.")

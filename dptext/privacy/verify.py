@@ -29,6 +29,7 @@ from dptext.privacy import clipping
 
 PROBE_SHAPES = ((3, 5), (4, 4))  # (examples, positions): B ≠ T, then B = T
 RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
+DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"
 PERTURBED = 1  # the example whose tokens the independence check re-draws
 METADATA = {"__get__", "size", "dim", "numel", "is_floating_point", "data_ptr", "stride", "is_contiguous",
             "element_size", "__len__", "__format__", "__repr__", "__hash__", "__eq__"}
@@ -175,7 +176,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
             for number, (examples, positions) in enumerate(shapes):
                 generator = torch.Generator().manual_seed(number)
                 batch = {k: v.to(device) for k, v in make_batch(examples, positions, generator).items()}
-                probe_one(engine, report, batch, loss_fn, device, perturb=examples == positions)
+                probe_one(engine, report, batch, loss_fn, device, perturb=examples > PERTURBED)
     finally:
         model.train(was_training)
         engine.recorder.probing = False
@@ -280,52 +281,73 @@ def compare(engine, report, reference: list[list[Tensor]], norms_sq, sums) -> No
     ref_norms = {p: torch.stack([row[k].double().pow(2).sum() for row in reference]) for k, p in enumerate(params)}
     coef, totals = clipping.clip_coefficients(ref_norms, engine.max_grad_norm, engine.clipping_layout, len(params))
     floor = 1e-8 * float(totals.max()) ** 2 + 1e-30
-    for k, param in enumerate(params):
+    # Norms first: one wrong norm changes every coefficient in the all-layer layout, so the clipped sums of
+    # innocent layers would differ too; the norm points at the layer to blame.
+    norm_failures = []
+    for param in params:
         got = norms_sq.get(param) if norms_sq is not None else None
+        if got is None:
+            if norms_sq is not None and float(ref_norms[param].max()) > floor:
+                norm_failures.append((param, "the engine recorded no gradient for it but brute-force autograd "
+                                              "finds one (a path its hooks do not see)"))
+        elif bool(((got.double() - ref_norms[param]).abs() > RTOL * ref_norms[param] + floor).any()):
+            norm_failures.append((param, "its per-example gradient norms" + DIFFER))
+    sum_failures = []
+    for k, param in enumerate(params if not norm_failures else []):
         expected_sum = sum(c * row[k].double() for c, row in zip(coef[param].tolist(), reference))
         got_sum = sums.get(param, torch.zeros_like(expected_sum)).double()
-        norm_bad = got is not None and bool(((got.double() - ref_norms[param]).abs()
-                                             > RTOL * ref_norms[param] + floor).any())
-        missing = got is None and norms_sq is not None and float(ref_norms[param].max()) > floor
-        sum_bad = float((got_sum - expected_sum).norm()) > RTOL * float(expected_sum.norm()) + 1e-6 * engine.max_grad_norm
-        if norm_bad or missing or sum_bad:
-            what = "no recorded gradient although it has one" if missing else (
-                "per-example gradient norms" if norm_bad else "clipped sums")
-            for module in _owners_of(engine, param):
-                report.refuse(module, f"its {what} differ from brute-force per-example autograd on the probe "
-                                      "(a path or a layout its rule does not describe)")
+        error = float((got_sum - expected_sum).norm())
+        if error > RTOL * float(expected_sum.norm()) + 1e-6 * engine.max_grad_norm:
+            sum_failures.append((param, "its clipped sums" + DIFFER))
+    for param, what in norm_failures + sum_failures:
+        for module in _owners_of(engine, param):
+            report.refuse(module, what)
     for module in engine.tracked:
         if report.rows[module].status == "not reached" and any(
                 float(ref_norms[getattr(module, n)].max()) > floor for n in engine.tracked[module][1]):
             report.rows[module].status = "exact"
 
 
-def check_independence(engine, report, batch, loss_fn, device, loss, rows_before) -> None:
-    """Re-draw example PERTURBED's tokens: other examples' losses and recorded rows must not move."""
-    changed = dict(batch)
+def perturbed(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The batch with example PERTURBED's unpadded tokens re-drawn."""
     ids = batch["input_ids"].clone()
     generator = torch.Generator().manual_seed(99)
     fresh = torch.randint(1, max(2, int(ids.max()) + 1), ids[PERTURBED].shape, generator=generator).to(ids)
     ids[PERTURBED] = torch.where(ids[PERTURBED] != 0, fresh, ids[PERTURBED])
-    changed["input_ids"] = ids
-    engine.recorder.take_uses()
-    with same_randomness(device):
-        engine.recorder.probing = True
-        other = loss_fn(engine.model, changed)
-    changed_uses = list(engine.recorder.uses)
-    engine.recorder.take_uses()
-    keep = torch.arange(len(loss), device=loss.device) != PERTURBED
-    if other.shape != loss.shape or not torch.allclose(other.detach()[keep], loss[keep], rtol=1e-9, atol=1e-12):
+    return {**batch, "input_ids": ids}
+
+
+def others(loss: Tensor) -> Tensor:
+    return torch.arange(len(loss), device=loss.device) != PERTURBED
+
+
+def check_loss_independence(engine, report, batch, loss_fn, device, loss) -> None:
+    """Re-draw one example's tokens: every other example's loss must stay put (checked without the hooks)."""
+    with torch.no_grad(), engine.recorder.paused(), same_randomness(device):
+        other = loss_fn(engine.model, perturbed(batch))
+    keep = others(loss)
+    if other.shape != loss.shape or not torch.allclose(other[keep], loss[keep], rtol=1e-9, atol=1e-12):
         report.loss_problem = ("changing one example changed another example's loss, so examples interact "
                                "(in-batch negatives, batch statistics, a batch-averaged loss); such a loss needs "
                                "another privacy unit")
+
+
+def check_row_independence(engine, report, batch, loss_fn, device, loss, rows_before) -> None:
+    """Re-draw one example's tokens: every other row of every recorded input must stay put (rows are examples)."""
+    engine.recorder.take_uses()
+    engine.recorder.probing = True
+    with same_randomness(device):
+        loss_fn(engine.model, perturbed(batch))
+    changed_uses = list(engine.recorder.uses)
+    engine.recorder.take_uses()
+    keep = others(loss)
     for (module, a), second in zip(rows_before, changed_uses):
         b = _first_tensor(second.activation)
         if module is not second.module or a is None or b is None or a.shape != b.shape or len(a) != len(loss):
             continue
         if not torch.allclose(a[keep].double(), b[keep].double(), rtol=1e-9, atol=1e-12):
             report.refuse(module, "changing one example changed other rows of its input, so its rows are "
-                                        "not one example each (sequence-first layout, experts fed gathered tokens)")
+                                  "not one example each (sequence-first layout, experts fed gathered tokens)")
 
 
 def _first_tensor(activation: Any) -> Tensor | None:
@@ -340,6 +362,10 @@ def probe_one(engine, report, batch, loss_fn, device, perturb: bool) -> None:
         report.loss_problem = (f"the loss has shape {tuple(loss_ref.shape)} for {examples} examples; return one "
                                "loss per example (dptext.privacy.per_example_loss)")
         return
+    if perturb and "input_ids" in batch:
+        check_loss_independence(engine, report, batch, loss_fn, device, loss_ref)
+        if report.loss_problem:
+            return
     forward = engine_forward(engine, report, batch, loss_fn, device)
     if forward is None:
         return
@@ -356,4 +382,4 @@ def probe_one(engine, report, batch, loss_fn, device, perturb: bool) -> None:
     engine.zero_grad()
     compare(engine, report, reference, norms_sq, sums)
     if perturb and "input_ids" in batch:
-        check_independence(engine, report, batch, loss_fn, device, loss_ref, rows_before)
+        check_row_independence(engine, report, batch, loss_fn, device, loss_ref, rows_before)
