@@ -120,7 +120,10 @@ def check_clipped_sums(sums: dict[nn.Parameter, Tensor], norms: Tensor, units: i
         return None
     tolerance = invariant_tolerance({total.dtype for total in sums.values()})
     params = list(sums)
-    squares = torch.stack([sums[param].float().pow(2).sum().to(norms.device) for param in params])
+    # vector_norm reduces (in fp32 at least) without a squared temporary the size of the model
+    squares = torch.stack([torch.linalg.vector_norm(
+        sums[param], dtype=torch.promote_types(sums[param].dtype, torch.float32)).float().to(norms.device)
+        for param in params]).pow(2)
     if not bool(torch.isfinite(squares).all()):  # one device sync per check, not one per parameter
         return params[int((~torch.isfinite(squares)).nonzero()[0])], "its clipped sum is not finite"
     if layout == "all_layer":
