@@ -7,6 +7,8 @@ sensitivity test (‖Σ clipped(D) − Σ clipped(D − {j})‖ ≤ C); "refused
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,8 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from dptext.cli.app import main
 from dptext.errors import UserError
 from dptext.privacy import PrivacyEngine
+from dptext.privacy.model_check import check_model
 from dptext.privacy.verify import output_functional_loss, synthetic_token_batch
 
 CASES = [(mode, layout) for mode in ("bookkeeping", "ghost", "per_sample") for layout in ("all_layer", "per_layer")
@@ -401,3 +405,21 @@ def test_random_layer_stacks_are_exact_or_refused(ops, mode_layout):
     # verify_outcome checks the remove-one-example sensitivity whenever the probe accepts the model
     if outcome != "exact":
         assert "layer '" in outcome
+
+
+# ---------------------------------------------------------------- dptext check --model
+
+def test_check_model_prints_a_per_layer_table_as_json(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--model", "tiny-llama", "--clipping-mode", "ghost", "--json"])
+    assert exit_info.value.code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "exact" and result["clipping_mode"] == "ghost"
+    layers = {row["name"]: row for row in result["layers"]}
+    assert layers["model.embed_tokens"]["rule"] == "Embedding"
+    assert all(row["status"] in ("exact", "not reached") for row in layers.values())
+
+
+def test_check_model_reports_a_planning_refusal_as_the_verdict():
+    result = check_model("tiny-gpt2", clipping_mode="ghost", clipping_layout="per_layer")
+    assert result["verdict"] == "refused" and "per-layer" in result["why"]

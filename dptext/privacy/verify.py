@@ -139,12 +139,25 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
     start = time.perf_counter()
     device = engine.params[0].device
     was_training = model.training
-    try:
-        with probe_precision(model, dtype if device.type != "mps" else None):
+    def run_probes(precision) -> None:
+        with probe_precision(model, precision):
             for number, (examples, positions) in enumerate(shapes):
                 generator = torch.Generator().manual_seed(number)
                 batch = {k: v.to(device) for k, v in make_batch(examples, positions, generator).items()}
                 probe_one(engine, report, batch, loss_fn, device, perturb=examples > PERTURBED)
+
+    try:
+        try:
+            run_probes(dtype if device.type != "mps" else None)
+        except (RuntimeError, TypeError) as error:  # code that hard-wires a dtype: probe in the model's own
+            if dtype is None:
+                raise
+            engine.zero_grad()
+            for row in report.rows.values():
+                row.status, row.why = "not reached", ""
+            report.loss_problem = None
+            report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
+            run_probes(None)
     finally:
         model.train(was_training)
         engine.recorder.probing = False
