@@ -18,6 +18,7 @@ from torch import nn
 
 from dptext.cli.app import main
 from dptext.errors import UserError
+from dptext.models import load_model
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.model_check import check_model
 from dptext.privacy.verify import output_functional_loss, synthetic_token_batch
@@ -423,3 +424,22 @@ def test_check_model_prints_a_per_layer_table_as_json(capsys):
 def test_check_model_reports_a_planning_refusal_as_the_verdict():
     result = check_model("tiny-gpt2", clipping_mode="ghost", clipping_layout="per_layer")
     assert result["verdict"] == "refused" and "per-layer" in result["why"]
+
+
+def test_peft_lora_on_embeddings_is_exact_in_per_sample_and_refused_by_name_elsewhere():
+    peft = pytest.importorskip("peft")
+    for mode in ("per_sample", "bookkeeping"):
+        base, _ = load_model("tiny-gpt2", head="causal_lm")
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["wte", "c_attn"], lora_dropout=0.0)
+        model = peft.get_peft_model(base, config)
+        model.train()
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        if mode == "bookkeeping":
+            with pytest.raises(UserError, match=r"'base_model\.model\.transformer\.wte\.lora_embedding_A'"):
+                PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=0.1, expected_batch_size=2,
+                              dataset_size=10, clipping_mode=mode)
+            continue
+        engine = PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=0.1, expected_batch_size=2,
+                               dataset_size=10, clipping_mode=mode)
+        rows = {row.name: row.status for row in engine.verify().rows.values()}
+        assert rows["base_model.model.transformer.wte"] == "exact"

@@ -28,7 +28,7 @@ def uses_by_parameter(uses: list[Use]) -> dict[nn.Parameter, list[tuple[Use, str
     grouped: dict[nn.Parameter, list[tuple[Use, str]]] = defaultdict(list)
     for use in uses:
         for name in use.names:
-            grouped[getattr(use.module, name)].append((use, name))
+            grouped[use.module.get_parameter(name)].append((use, name))
     return grouped
 
 
@@ -51,7 +51,7 @@ def _sum_per_parameter(uses: list[Use], per_use) -> dict[nn.Parameter, Tensor]:
     totals: dict[nn.Parameter, Tensor] = {}
     for use in uses:
         for name, value in per_use(use).items():
-            param = getattr(use.module, name)
+            param = use.module.get_parameter(name)
             totals[param] = totals[param] + value if param in totals else value
     return totals
 
@@ -85,7 +85,7 @@ def clip_coefficients(norms_sq: dict[nn.Parameter, Tensor], max_grad_norm: float
 def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
     """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping)."""
     def clipped_sum_of(use: Use) -> dict[str, Tensor]:
-        use_coef = {name: coef[getattr(use.module, name)] for name in use.names}
+        use_coef = {name: coef[use.module.get_parameter(name)] for name in use.names}
         return use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output, use_coef)
 
     return _sum_per_parameter(uses, clipped_sum_of)

@@ -98,7 +98,8 @@ class PrivacyEngine:
         """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
         self.names = _module_names(self.model)
         self.tracked = find_tracked_modules(self.model, self.clipping_mode)
-        self.params = list(dict.fromkeys(getattr(m, n) for m, (_, names) in self.tracked.items() for n in names))
+        self.params = list(dict.fromkeys(module.get_parameter(name) for module, (_, names) in self.tracked.items()
+                                         for name in names))
         if not self.params:
             raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
         _check_optimizer(self.optimizer, self.params, self._param_names())

@@ -47,14 +47,26 @@ def find_tracked_modules(model: nn.Module, clipping_mode: str) -> dict[nn.Module
                    for o in owners[getattr(module, name)]) for name in own):
             continue
         if clipping_mode == "per_sample":
-            tracked[module] = (FunctionalRule(), own)
-            continue
+            caller, prefix = _calling_module(model, names, module)
+            rule, known = tracked.get(caller, (FunctionalRule(), ()))
+            if isinstance(rule, FunctionalRule):
+                tracked[caller] = (rule, known + tuple(prefix + name for name in own))
+                continue
         raise UserError(
             f"Layer '{names[module]}' ({type(module).__name__}) has trainable parameters "
             f"({', '.join(own)}) but no per-example gradient rule; freeze it (requires_grad_(False)), or use "
             "clipping_mode='per_sample', which handles it with torch.func if its forward is a plain function "
             "of its inputs.")
     return tracked
+
+
+def _calling_module(model: nn.Module, names: dict[nn.Module, str], module: nn.Module) -> tuple[nn.Module, str]:
+    """The module whose call uses ``module``'s parameters, and their prefix there. A ParameterDict/List (peft's
+    LoRA adapters on embeddings: ``lora_embedding_A['default']``) is never called itself: its parent is."""
+    if not isinstance(module, (nn.ParameterDict, nn.ParameterList)) or "." not in names[module]:
+        return module, ""
+    parent_name, own_name = names[module].rsplit(".", 1)
+    return model.get_submodule(parent_name), own_name + "."
 
 
 def unproven_rules(model: nn.Module, tracked: dict[nn.Module, Any]) -> dict[nn.Module, str]:

@@ -75,7 +75,7 @@ def engine_forward(engine, report, batch, loss_fn, device):
     owners: dict[int, set[nn.Module]] = {}
     for module, (_, names) in engine.tracked.items():
         for name in names:
-            owners.setdefault(id(getattr(module, name)), set()).add(module)
+            owners.setdefault(id(module.get_parameter(name)), set()).add(module)
     reads = ParameterReads(owners)
     def enter(module, args) -> None:
         reads.stack.append(module)
@@ -110,7 +110,7 @@ def engine_forward(engine, report, batch, loss_fn, device):
             report.refuse(module, "broadcasting its batch-1 input to the batch changes its output")
     for module, (_, names) in engine.tracked.items():
         for name in names:
-            if id(getattr(module, name)) in reads.outside:
+            if id(module.get_parameter(name)) in reads.outside:
                 report.refuse(module, f"its parameter '{name}' is also read outside the module (a functional use "
                                       "or a second module), a path its rule does not see")
     uses = list(recorder.uses)
@@ -134,7 +134,7 @@ def _broadcasts_to(alone: Any, output: Tensor) -> bool:
 
 
 def _owners_of(engine, param) -> list[nn.Module]:
-    return [m for m, (_, names) in engine.tracked.items() if any(getattr(m, n) is param for n in names)]
+    return [m for m, (_, names) in engine.tracked.items() if any(m.get_parameter(n) is param for n in names)]
 
 
 def compare(engine, report, reference: list[list[Tensor]], norms_sq, sums) -> None:
@@ -166,7 +166,7 @@ def compare(engine, report, reference: list[list[Tensor]], norms_sq, sums) -> No
             report.refuse(module, what)
     for module in engine.tracked:
         if report.rows[module].status == "not reached" and any(
-                float(ref_norms[getattr(module, n)].max()) > floor for n in engine.tracked[module][1]):
+                float(ref_norms[module.get_parameter(n)].max()) > floor for n in engine.tracked[module][1]):
             report.rows[module].status = "exact"
 
 

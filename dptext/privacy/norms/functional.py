@@ -54,7 +54,7 @@ class FunctionalRule:
 
     def per_example(self, module, names, call, grad_output) -> dict[str, Tensor]:
         args, kwargs, batched = call
-        params = {name: getattr(module, name).detach() for name in names}
+        params = {name: module.get_parameter(name).detach() for name in names}
         arg_slots = [i for i, x in enumerate(args) if isinstance(x, Tensor) and i in batched]
         kw_slots = [k for k, x in kwargs.items() if isinstance(x, Tensor) and k in batched]
         batched_args = tuple(args[i] for i in arg_slots)
