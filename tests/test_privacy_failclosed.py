@@ -124,6 +124,17 @@ def test_broken_patterns_are_refused_with_the_layer_name(body, fragment, mode, l
     assert outcome != "exact" and fragment in outcome
 
 
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
+@pytest.mark.parametrize("body", [relu_inplace, mul_inplace])
+def test_in_place_outputs_stop_every_step_even_without_the_probe(body, mode):
+    model = Tiny(body)
+    engine, _ = make_engine(model, mode)
+    batch = synthetic_token_batch(model)(3, 5, torch.Generator().manual_seed(1))
+    with pytest.raises(UserError, match=r"Layer 'fc' \(Linear\).*modified in place"):
+        engine.accumulate(output_functional_loss(model, batch))
+    assert not engine.clipped_grads()
+
+
 @pytest.mark.parametrize("mode,layout", CASES)
 def test_plain_and_keyword_calls_are_exact(mode, layout):
     assert verify_outcome(Tiny(), mode, layout) == "exact"

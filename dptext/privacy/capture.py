@@ -36,6 +36,8 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 
+IN_PLACE = ("its output is modified in place after the layer returns it (e.g. ReLU(inplace=True), out.mul_()), "
+            "so the recorded output gradient is not the one its weight saw")
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values")
 
 
@@ -113,7 +115,9 @@ class UseRecorder:
         self.batch_size: int | None = None
         self.recording = True
         self._expanded: set[nn.Module] = set()
-        self._handles = [root.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
+        self._pending: list[Use] = []  # uses of the running forward, output held until the model returns
+        self._handles = [root.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
+                         root.register_forward_hook(self._on_model_return)]
         for module in tracked:
             self._handles.append(module.register_forward_pre_hook(self._expand_broadcast_batch, prepend=True))
             self._handles.append(module.register_forward_hook(self._on_layer_call, with_kwargs=True, prepend=True))
@@ -131,8 +135,9 @@ class UseRecorder:
 
     def take_uses(self) -> list[Use]:
         """The uses whose output received a gradient; forgets them all (their tensors can be freed)."""
-        uses = [use for use in self.uses if use.grad_output is not None]
-        self.uses, self.expansions = [], []
+        # An output changed in place can lose its gradient hook altogether: keep such uses so the step stops.
+        uses = [use for use in self.uses if use.grad_output is not None or use.problem == IN_PLACE]
+        self.uses, self.expansions, self._pending = [], [], []
         return uses
 
     @contextmanager
@@ -153,6 +158,16 @@ class UseRecorder:
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._active():
             self.batch_size = model_batch_size(args, kwargs)
+
+    def _on_model_return(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """In-place changes made inside the forward (``ReLU(inplace=True)`` after a Linear): the outputs are held
+        until here, so their version counters can be read even where the tensors would already be freed."""
+        for use in self._pending:
+            if use.output is not None and use.output._version != use.version:
+                use.problem = IN_PLACE
+            if not (self.keep_outputs or self.probing):
+                use.output = None
+        self._pending = []
 
     def _expand_broadcast_batch(self, module: nn.Module, args: tuple):
         if not self._active() or not args or not isinstance(args[0], Tensor):
@@ -192,9 +207,9 @@ class UseRecorder:
                                           self.batch_size))
             else:
                 kept = rule.keep(module, _detached(inputs))
-            keep_output = self.keep_outputs or self.probing
-            use = Use(module, rule, names, kept, output=output if keep_output else None,
-                      version=output._version, output_ref=weakref.ref(output))
+            use = Use(module, rule, names, kept, output=output, version=output._version,
+                      output_ref=weakref.ref(output))
+            self._pending.append(use)
         if self.batch_size is None or rows != self.batch_size:
             use.problem = (f"its output has {rows} rows where the model's batch has {self.batch_size} examples, so "
                            "its rows are not one example each (sequence-first layout, experts fed gathered tokens, "
@@ -209,10 +224,8 @@ class UseRecorder:
             if use.released or use.grad_output is not None:
                 return
             current = use.output_ref()
-            if current is not None and current._version != use.version:
-                use.problem = ("its output is modified in place after the layer returns it (e.g. "
-                               "ReLU(inplace=True), out.mul_()), so the recorded output gradient is not the one "
-                               "its weight saw")
+            if current is not None and current._version != use.version:  # changed after the model returned
+                use.problem = IN_PLACE
             use.grad_output = grad
 
         output.register_hook(keep_grad)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from dptext.privacy import clipping
+from dptext.privacy.capture import IN_PLACE
 
 RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
 DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"
@@ -118,9 +119,7 @@ def engine_forward(engine, report, batch, loss_fn, device):
         if use.problem:
             report.refuse(use.module, use.problem)
         elif use.output is not None and use.output._version != use.version:
-            report.refuse(use.module, "its output is modified in place after the layer returns it (e.g. "
-                                      "ReLU(inplace=True), out.mul_()), so the recorded output gradient is not "
-                                      "the one its weight saw")
+            report.refuse(use.module, IN_PLACE)
     return loss, uses
 
 
