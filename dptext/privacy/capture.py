@@ -160,8 +160,13 @@ class UseRecorder:
             self.batch_size = model_batch_size(args, kwargs)
 
     def _on_model_return(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """In-place changes made inside the forward (``ReLU(inplace=True)`` after a Linear): the outputs are held
-        until here, so their version counters can be read even where the tensors would already be freed."""
+        self._check_pending()
+
+    def _check_pending(self) -> None:
+        """In-place changes of the last outputs (``ReLU(inplace=True)`` after a Linear, ``out.mul_()``): each
+        output is held until the next tracked layer is called or the model returns — one or two tensors at a
+        time, not every output of the forward — and its version counter compared. Later changes are seen by the
+        gradient hook while the tensor lives, and always by the start-up probe, which holds every output."""
         for use in self._pending:
             if use.output is not None and use.output._version != use.version:
                 use.problem = IN_PLACE
@@ -170,6 +175,8 @@ class UseRecorder:
         self._pending = []
 
     def _expand_broadcast_batch(self, module: nn.Module, args: tuple):
+        if self._pending:
+            self._check_pending()
         if not self._active() or not args or not isinstance(args[0], Tensor):
             return None
         first = args[0]
