@@ -17,6 +17,10 @@ Clipping modes (same clipped sums, different cost):
 * ``ghost``: two backward passes (Li et al.): the first gives the norms, the second differentiates Σ_i c_i·loss_i
   with ordinary autograd. All-layer clipping only.
 * ``per_sample``: instantiates per-example gradients (the opacus way); the memory-hungry reference.
+
+Fail closed (docs/privacy_engine.md): ``verify()`` runs the synthetic start-up probe against brute-force
+autograd; every step the records must cover exactly the planned parameters (``replan()`` after changing what is
+trained) and the clipped sums must satisfy the per-step invariant, or the step stops before the update.
 """
 
 from __future__ import annotations
@@ -85,7 +89,6 @@ class PrivacyEngine:
                             "use privacy.sampling=poisson.")
 
         self.optimizer = optimizer
-        self.names = _module_names(model)
         self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
         self._probe_args: tuple = ()
         self._plan()
