@@ -96,6 +96,7 @@ class PrivacyEngine:
                                         self.expected_batch_size, NoiseSource(self.seed, secure_rng),
                                         reduce=self.distributed.all_reduce_sum if self.distributed else None,
                                         adds_noise=self.distributed is None or self.distributed.rank == 0)
+        self.dp_optimizer.param_names = self._param_names()
 
     def _plan(self) -> None:
         """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
@@ -130,6 +131,7 @@ class PrivacyEngine:
                 param.requires_grad_(param in in_model)
         self._plan()
         self.dp_optimizer.params = self.params
+        self.dp_optimizer.param_names = self._param_names()
         self.verified = False
         if verify:
             old_batch, old_loss = self._probe_args or (None, None)

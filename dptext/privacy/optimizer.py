@@ -83,6 +83,7 @@ class DPOptimizer:
         self.adds_noise = adds_noise
         self.scale = scale
         self.summed: dict[nn.Parameter, Tensor] = {}
+        self.param_names: dict[nn.Parameter, str] = {}  # for messages; the engine fills it
         self.examples_seen = 0  # realised examples in this logical batch: for logging only, never for scaling
 
     @property
@@ -123,10 +124,12 @@ class DPOptimizer:
             for param in group["params"]:
                 if param not in planned and (param.requires_grad or param.grad is not None):
                     self.zero_grad()
-                    raise UserError(f"The optimizer's param group {index} holds a parameter of shape "
-                                    f"{tuple(param.shape)} that the privacy engine did not plan, so it would get a "
-                                    "raw gradient; call engine.replan() after add_param_group or unfreezing "
-                                    "(it re-runs the probe), or freeze it.")
+                    what = f"'{self.param_names[param]}'" if param in self.param_names else \
+                        f"of shape {tuple(param.shape)}"
+                    raise UserError(f"The optimizer's param group {index} holds a parameter {what} that the "
+                                    "privacy engine did not plan, so it would get a raw gradient; call "
+                                    "engine.replan() after add_param_group or unfreezing (it re-runs the probe), "
+                                    "or freeze it.")
 
     def step(self) -> None:
         self.check_owned()
