@@ -37,15 +37,12 @@ class FunctionalRule:
         # example); any other tensor with the batch size first might be a shared (T, T) or (T, d) table.
         by_shape = frozenset(slot for n, (slot, x) in enumerate(slots)
                              if n == 0 or (x.ndim > 0 and x.shape[0] == rows))
-        other_sizes = {size for _, x in slots for size in x.shape[1:]}
+        other_sizes = {size for _, x in slots[1:] for size in x.shape[1:]}
         unambiguous = rows > 1 and rows not in other_sizes or all(x.ndim == 0 or x.shape[0] != rows for _, x in slots[1:])
         if self.batched is None and unambiguous:
             self.batched = by_shape
         batched = self.batched if self.batched is not None else by_shape
-        if self.batched is None and not unambiguous:
-            raise UserError(f"{type(module).__name__} has a second tensor input whose first dimension equals the "
-                            "batch size and another dimension, so which inputs are batched is ambiguous; run the "
-                            "start-up probe (privacy.verify) first, or freeze the layer.")
+        # Not learned yet and ambiguous (B equals another size): shape decides; the probe teaches the layout.
         for slot, x in slots:
             if slot in batched and (x.ndim == 0 or x.shape[0] != rows):
                 raise UserError(f"{type(module).__name__}'s input {slot!r} no longer has the batch first; "
