@@ -20,7 +20,6 @@ from dptext.privacy.capture import IN_PLACE
 
 RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
 DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"
-PERTURBED = 1  # the example whose tokens the independence check re-draws
 METADATA = {"__get__", "size", "dim", "numel", "is_floating_point", "data_ptr", "stride", "is_contiguous",
             "element_size", "__len__", "__format__", "__repr__", "__hash__", "__eq__"}
 
@@ -169,46 +168,51 @@ def compare(engine, report, reference: list[list[Tensor]], norms_sq, sums) -> No
             report.rows[module].status = "exact"
 
 
-def perturbed(batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The batch with example PERTURBED's unpadded tokens re-drawn."""
+def perturbed(batch: dict[str, Tensor], example: int) -> dict[str, Tensor]:
+    """The batch with ``example``'s unpadded tokens re-drawn."""
     ids = batch["input_ids"].clone()
-    generator = torch.Generator().manual_seed(99)
-    fresh = torch.randint(1, max(2, int(ids.max()) + 1), ids[PERTURBED].shape, generator=generator).to(ids)
-    ids[PERTURBED] = torch.where(ids[PERTURBED] != 0, fresh, ids[PERTURBED])
+    generator = torch.Generator().manual_seed(99 + example)
+    fresh = torch.randint(1, max(2, int(ids.max()) + 1), ids[example].shape, generator=generator).to(ids)
+    ids[example] = torch.where(ids[example] != 0, fresh, ids[example])
     return {**batch, "input_ids": ids}
 
 
-def others(loss: Tensor) -> Tensor:
-    return torch.arange(len(loss), device=loss.device) != PERTURBED
+def others(loss: Tensor, example: int) -> Tensor:
+    return torch.arange(len(loss), device=loss.device) != example
 
 
 def check_loss_independence(engine, report, batch, loss_fn, device, loss) -> None:
-    """Re-draw one example's tokens: every other example's loss must stay put (checked without the hooks)."""
-    with torch.no_grad(), engine.recorder.paused(), same_randomness(device):
-        other = loss_fn(engine.model, perturbed(batch))
-    keep = others(loss)
-    if other.shape != loss.shape or not torch.allclose(other[keep], loss[keep], rtol=1e-9, atol=1e-12):
-        report.loss_problem = ("changing one example changed another example's loss, so examples interact "
-                               "(in-batch negatives, batch statistics, a batch-averaged loss); such a loss needs "
-                               "another privacy unit")
+    """Re-draw each example's tokens in turn: every other example's loss must stay put (checked without the
+    hooks). Every example, not one: a router that picks tokens by score lets only some examples move others."""
+    for example in range(len(loss)):
+        with torch.no_grad(), engine.recorder.paused(), same_randomness(device):
+            other = loss_fn(engine.model, perturbed(batch, example))
+        keep = others(loss, example)
+        if other.shape != loss.shape or not torch.allclose(other[keep], loss[keep], rtol=1e-9, atol=1e-12):
+            report.loss_problem = ("changing one example changed another example's loss, so examples interact "
+                                   "(in-batch negatives, batch statistics, a batch-averaged loss, routing by "
+                                   "score across the batch); such a loss needs another privacy unit")
+            return
 
 
 def check_row_independence(engine, report, batch, loss_fn, device, loss, rows_before) -> None:
-    """Re-draw one example's tokens: every other row of every recorded input must stay put (rows are examples)."""
+    """Re-draw each example's tokens in turn: every other row of every recorded input must stay put (rows are
+    examples)."""
     engine.recorder.take_uses()
     engine.recorder.probing = True
-    with same_randomness(device):
-        loss_fn(engine.model, perturbed(batch))
-    changed_uses = list(engine.recorder.uses)
-    engine.recorder.take_uses()
-    keep = others(loss)
-    for (module, a), second in zip(rows_before, changed_uses):
-        b = _first_tensor(second.activation)
-        if module is not second.module or a is None or b is None or a.shape != b.shape or len(a) != len(loss):
-            continue
-        if not torch.allclose(a[keep].double(), b[keep].double(), rtol=1e-9, atol=1e-12):
-            report.refuse(module, "changing one example changed other rows of its input, so its rows are "
-                                  "not one example each (sequence-first layout, experts fed gathered tokens)")
+    for example in range(len(loss)):
+        with same_randomness(device):
+            loss_fn(engine.model, perturbed(batch, example))
+        changed_uses = list(engine.recorder.uses)
+        engine.recorder.take_uses()
+        keep = others(loss, example)
+        for (module, a), second in zip(rows_before, changed_uses):
+            b = _first_tensor(second.activation)
+            if module is not second.module or a is None or b is None or a.shape != b.shape or len(a) != len(loss):
+                continue
+            if not torch.allclose(a[keep].double(), b[keep].double(), rtol=1e-9, atol=1e-12):
+                report.refuse(module, "changing one example changed other rows of its input, so its rows are "
+                                      "not one example each (sequence-first layout, experts fed gathered tokens)")
 
 
 def _first_tensor(activation: Any) -> Tensor | None:

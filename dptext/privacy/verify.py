@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.probe_checks import PERTURBED, probe_one
+from dptext.privacy.probe_checks import probe_one
 
 PROBE_SHAPES = ((3, 5), (4, 4))  # (examples, positions): B ≠ T, then B = T
 
@@ -144,7 +144,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
             for number, (examples, positions) in enumerate(shapes):
                 generator = torch.Generator().manual_seed(number)
                 batch = {k: v.to(device) for k, v in make_batch(examples, positions, generator).items()}
-                probe_one(engine, report, batch, loss_fn, device, perturb=examples > PERTURBED)
+                probe_one(engine, report, batch, loss_fn, device, perturb=examples > 1)
 
     try:
         try:
