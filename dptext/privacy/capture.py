@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 
-IN_PLACE = ("its output is modified in place after the layer returns it (e.g. ReLU(inplace=True), out.mul_()), "
+IN_PLACE = ("its output is modified in place after the layer returns it (an in-place ReLU, out.mul_(), += or /=), "
             "so the recorded output gradient is not the one its weight saw")
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values")
 
@@ -211,7 +211,9 @@ class UseRecorder:
                             "freeze it or use clipping_mode='per_sample'.")
         inputs = args + tuple(kwargs.values()) if getattr(rule, "takes_keywords", False) else \
             bind_inputs(module, args, kwargs)
-        expected = getattr(rule, "num_inputs", 1)
+        # rules that read their inputs from the call themselves (keep_call: position ids, DoRA's adapters) say
+        # which inputs they use; the count check is for rules that take the positional inputs as given
+        expected = None if hasattr(rule, "keep_call") else getattr(rule, "num_inputs", 1)
         if expected is not None and len(inputs) != expected and not self.probing and module not in self.verified:
             raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) is called with "
                             f"{len(inputs)} inputs but its rule describes {expected}, so its per-example gradient "
