@@ -158,6 +158,9 @@ class PrivacyConfig:
         "guarantee holds only while train.seed stays secret, and the summary, ledger and `dptext account` say so.")
     secure_rng: bool = doc(False, "Also re-seed the noise from os.urandom before every step (a leaked generator "
                            "state then predicts at most one step); a resume is then no longer bit-exact.")
+    verify: bool = doc(True, "Before training, check the engine's per-example norms and clipped sums against "
+                       "brute-force autograd on synthetic token ids (no private data, no privacy cost); any "
+                       "mismatch stops the run naming the layer. Does not change privacy.")
 
 
 @dataclass

@@ -15,13 +15,32 @@ def check(
     recipe: Annotated[Optional[Path], typer.Argument(help="Recipe YAML file to validate.", show_default=False)] = None,
     overrides: OverridesArgument = None,
     schema: Annotated[bool, typer.Option("--schema", help="Print every recipe key with its type, default and meaning.")] = False,
+    model: Annotated[Optional[str], typer.Option("--model", help="Check this model (name or folder) with the privacy "
+                                                 "engine's start-up probe instead of a recipe.")] = None,
+    head: Annotated[str, typer.Option("--head", help="Model head for --model: causal_lm, masked_lm, "
+                                      "sequence_classification or base.")] = "causal_lm",
+    clipping_mode: Annotated[str, typer.Option("--clipping-mode", help="bookkeeping, ghost or per_sample.")] = "bookkeeping",
+    clipping_layout: Annotated[str, typer.Option("--clipping-layout", help="all_layer or per_layer.")] = "all_layer",
     json_mode: JsonOption = False,
 ) -> None:
-    """Validate a recipe (with overrides) as `dptext finetune` would, without loading weights; print it resolved."""
+    """Validate a recipe (with overrides) as `dptext finetune` would, without loading weights, and print it resolved;
+    or, with --model, probe a model's layers."""
     from dptext import config
     from dptext.errors import UserError
 
     out = make_output(json_mode)
+    if model is not None:
+        from dptext.privacy.model_check import check_model
+
+        result = check_model(model, head=head, clipping_mode=clipping_mode, clipping_layout=clipping_layout,
+                             num_labels=2 if head == "sequence_classification" else None)
+        rows = [[r["name"], r["kind"], r["rule"], r["status"], r["why"]] for r in result["layers"]]
+        out.table(f"{model}: {result['verdict']} ({clipping_mode}, {clipping_layout}; probe "
+                  f"{result['seconds']} s)", ["layer", "class", "rule", "status", "why"], rows)
+        if result.get("why") or result.get("loss"):
+            out.warn(result.get("why") or result["loss"])
+        out.result(result)
+        return
     if schema:
         rows = config.schema_docs()
         out.table("Recipe schema", ["key", "type", "default", "meaning"], rows)

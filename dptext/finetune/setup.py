@@ -206,12 +206,28 @@ def build_training(recipe: Any) -> Training:
             seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
             ledger=training.ledger.record_step, distributed=dist)
         training.ledger.mechanism = training.engine.mechanism()
+        if privacy.verify:
+            training.engine.verify(loss_fn=probe_loss(task))
         training.sampler = training.engine.sampler(plan.steps)
     else:  # no clipping or noise: the non-private baseline of the same recipe (its batches need no secret)
         sampling = privacy.sampling if not dist.active else "poisson"
         training.sampler = make_sampler(len(train), plan.sample_rate, plan.steps, recipe.train.seed, sampling, dist)
     training.physical_batch_size = recipe.train.physical_batch_size or choose_physical_batch_size(training, train)
     return training
+
+
+def probe_loss(task):
+    """The start-up probe's loss: the task's own per-example loss where synthetic ids make a valid batch for it
+    (language modelling: labels are the ids), else a random functional of the model's outputs (the engine's
+    default), which still checks every layer but not the task's loss."""
+    if task.head != "causal_lm":
+        return None
+
+    def loss_fn(model, batch):
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return task.per_example_loss(model, {**batch, "labels": labels})
+
+    return loss_fn
 
 
 def probe_records(template: dict[str, Any], count: int, max_length: int) -> list[dict[str, Any]]:

@@ -5,19 +5,30 @@ asks for, and a tensor hook on the call's output keeps the gradient of the loss 
 when the backward pass reaches it. A module called twice (or two modules sharing a parameter) gives two uses;
 the clipping code adds their cross terms.
 
-Two details keep the per-example gradients per example:
-* A module fed a batch of one while the model's batch is larger (GPT-2 and BERT look up position
-  embeddings for one row of position ids and broadcast the result) has its input expanded to the whole batch,
-  so each example's output gradient stays its own instead of being summed over the batch by broadcasting.
-* Where the layer's parameters do not require grad during the pass (book-keeping and per-sample modes skip
-  autograd's weight gradients) and nothing upstream does either, the output is marked as requiring grad so
-  that the backward pass still reaches it.
+Fail closed (SPEC §2 (a)–(c), docs/privacy_engine.md):
+* **Rows → units.** The number of examples comes from the model's own inputs (``input_ids`` …, recorded by a
+  pre-hook on the model), never from a layer's shape. Each use carries ``units``, the privacy unit of each of its
+  rows (``arange(B)``: one example per row); a use whose rows are not the batch's examples (experts fed gathered
+  tokens, a sequence-first layer) stops the step naming the layer. User-level DP (issue 24) would hand a
+  row → user map here and sum rows of one user with the same Gram cross terms the tied weights use.
+* **Our hook runs first** (``prepend=True``) and binds keyword inputs to the forward's signature, so the recorded
+  output is the one the weight produced, even when other hooks rewrite it afterwards; a module called with more
+  inputs than its rule describes is refused unless the start-up probe verified it (``verified``).
+* **In-place changes** of a recorded output (``ReLU(inplace=True)``, ``out.mul_()``) bump its version counter;
+  the gradient hook compares it and the step stops naming the layer.
+* A module fed a batch of one while the model's batch is larger (GPT-2 and BERT look up position embeddings
+  for one row of position ids) has its input expanded to the whole batch so each example's output gradient stays
+  its own; the probe checks that this leaves the forward unchanged (``expansions``).
+* Where the layer's parameters do not require grad during the pass (book-keeping and per-sample modes) and
+  nothing upstream does either, the output is marked as requiring grad so the backward pass still reaches it.
 """
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +36,8 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 
+IN_PLACE = ("its output is modified in place after the layer returns it (an in-place ReLU, out.mul_(), += or /=), "
+            "so the recorded output gradient is not the one its weight saw")
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values")
 
 
@@ -34,9 +47,13 @@ class Use:
     rule: Any
     names: tuple[str, ...]  # the module's own parameters that the engine privatizes
     activation: Any
-    output: Tensor | None = None  # kept only for ghost clipping's first backward pass
+    units: Tensor | None = None  # the privacy unit of each row (arange(B): one example per row)
+    output: Tensor | None = None  # kept only for ghost clipping's first backward pass and the probe
     grad_output: Tensor | None = None
     released: bool = False
+    problem: str | None = None  # why this use's gradient cannot be trusted (found during the pass)
+    version: int = 0  # the output's version counter when the layer returned it
+    output_ref: Any = field(default=None, repr=False)
 
     def release(self) -> None:
         """Drop the tensors now: the hook closure on the output would otherwise keep them while the graph lives."""
@@ -45,11 +62,12 @@ class Use:
 
     @property
     def batch_size(self) -> int:
-        activation = self.activation[0] if isinstance(self.activation, tuple) else self.activation
-        return activation.shape[0]
+        """The number of units in this use's rows (the engine checks it against the loss)."""
+        return -1 if self.units is None else len(self.units)
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int | None:
+def model_batch_size(args: tuple, kwargs: dict) -> int | None:
+    """The number of examples, read from the model's inputs: a known input key, else the first tensor argument."""
     for key in BATCH_KEYS:
         if isinstance(kwargs.get(key), Tensor):
             return kwargs[key].shape[0]
@@ -59,24 +77,60 @@ def _batch_size(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+def bind_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The call's inputs as positional arguments in the forward's order (``layer(input=x)`` → ``(x,)``)."""
+    if not kwargs:
+        return args
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError:
+        return args + tuple(kwargs.values())
+    return tuple(bound.arguments.values())
+
+
+def hook_keys(module: nn.Module) -> tuple:
+    # torch has no public way to list a module's hooks; the handles' ids in these dicts say which are there.
+    return tuple(module._forward_pre_hooks), tuple(module._forward_hooks)
+
+
+def _detached(values) -> tuple:
+    return tuple(x.detach() if isinstance(x, Tensor) else x for x in values)
+
+
 class UseRecorder:
-    """Installs the hooks on ``root`` and the tracked modules; ``uses`` fills up during forward passes."""
+    """Installs the hooks on ``root`` and the tracked modules; ``uses`` fills up during forward passes.
+
+    ``names`` maps modules to their dotted names (for messages); ``verified`` holds the modules the start-up
+    probe checked numerically, for which calls with extra inputs are accepted."""
 
     def __init__(self, root: nn.Module, tracked: dict[nn.Module, tuple[Any, tuple[str, ...]]],
-                 keep_outputs: bool = False):
+                 keep_outputs: bool = False, names: dict[nn.Module, str] | None = None):
         self.tracked = tracked
         self.keep_outputs = keep_outputs
+        self.names = names or {}
+        self.verified: set[nn.Module] = set()
+        self.probing = False  # the probe keeps outputs and expansions and lets unverified calls through
         self.uses: list[Use] = []
+        self.expansions: list[tuple[nn.Module, tuple, Tensor]] = []
         self.batch_size: int | None = None
         self.recording = True
-        self.names = {module: name for name, module in root.named_modules()}
-        self._handles = [root.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
+        self._expanded: set[nn.Module] = set()
+        self._pending: list[Use] = []  # uses of the running forward, output held until the model returns
+        self.names = names or {module: name for name, module in root.named_modules()}
+        self._handles = [root.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
+                         root.register_forward_hook(self._on_model_return)]
         for module, (rule, _) in tracked.items():
-            if hasattr(rule, "install"):  # a rule that records its uses itself (a table shared by the batch)
-                self._handles.extend(rule.install(module, self, root))
+            if hasattr(rule, "install"):  # a rule that records its uses itself (a table shared by the batch, rows
+                self._handles.extend(rule.install(module, self, root))  # regrouped by example): via record()
                 continue
-            self._handles.append(module.register_forward_pre_hook(self._expand_broadcast_batch))
-            self._handles.append(module.register_forward_hook(self._on_layer_call, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(self._expand_broadcast_batch, prepend=True))
+            self._handles.append(module.register_forward_hook(self._on_layer_call, with_kwargs=True, prepend=True))
+        self.hook_keys = {module: hook_keys(module) for module in tracked}
+
+    def hooks_changed(self, module: nn.Module) -> bool:
+        """Forward hooks added or removed on ``module`` since the plan (one registered later with prepend=True
+        would run before ours and rewrite the output we record)."""
+        return hook_keys(module) != self.hook_keys[module]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -85,13 +139,14 @@ class UseRecorder:
 
     def take_uses(self) -> list[Use]:
         """The uses whose output received a gradient; forgets them all (their tensors can be freed)."""
-        uses = [use for use in self.uses if use.grad_output is not None]
-        self.uses = []
+        # An output changed in place can lose its gradient hook altogether: keep such uses so the step stops.
+        uses = [use for use in self.uses if use.grad_output is not None or use.problem == IN_PLACE]
+        self.uses, self.expansions, self._pending = [], [], []
         return uses
 
     @contextmanager
     def paused(self):
-        """No recording while the engine itself calls layers (the torch.func fallback re-runs them)."""
+        """No recording while the engine itself calls layers (the torch.func fallback, the probe's reference)."""
         self.recording = False
         try:
             yield
@@ -106,9 +161,26 @@ class UseRecorder:
 
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.active():
-            self.batch_size = _batch_size(args, kwargs)
+            self.batch_size = model_batch_size(args, kwargs)
+
+    def _on_model_return(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._check_pending()
+
+    def _check_pending(self) -> None:
+        """In-place changes of the last outputs (``ReLU(inplace=True)`` after a Linear, ``out.mul_()``): each
+        output is held until the next tracked layer is called or the model returns — one or two tensors at a
+        time, not every output of the forward — and its version counter compared. Later changes are seen by the
+        gradient hook while the tensor lives, and always by the start-up probe, which holds every output."""
+        for use in self._pending:
+            if use.output is not None and use.output._version != use.version:
+                use.problem = IN_PLACE
+            if not (self.keep_outputs or self.probing):
+                use.output = None
+        self._pending = []
 
     def _expand_broadcast_batch(self, module: nn.Module, args: tuple):
+        if self._pending:
+            self._check_pending()
         if not self.active() or not args or not isinstance(args[0], Tensor):
             return None
         first = args[0]
@@ -117,42 +189,81 @@ class UseRecorder:
                 # Ids looked up for one row and broadcast (positions) expand safely; a shared float input (DeBERTa's
                 # relative-position embeddings) is reshaped downstream by its batch size, and its per-example
                 # gradients are summed by the broadcast, so neither expanding nor recording it would be right.
-                raise UserError(f"Layer '{self.names.get(module, type(module).__name__)}' "
-                                f"({type(module).__name__}) is applied to a tensor shared by the whole batch, so one "
-                                "example's gradient cannot be separated from the others'; freeze it "
-                                "(requires_grad_(False)) or leave it out of the LoRA targets.")
+                raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) is applied to a tensor "
+                                "shared by the whole batch, so one example's gradient cannot be separated from the "
+                                "others'; freeze it (requires_grad_(False)) or leave it out of the LoRA targets.")
+            self._expanded.add(module)
+            if self.probing:
+                self.expansions.append((module, args, None))
             return (first.expand(self.batch_size, *first.shape[1:]),) + args[1:]
         return None
+
+    def _name(self, module: nn.Module) -> str:
+        return self.names.get(module, type(module).__name__)
 
     def _on_layer_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self.active():
             return None
-        if not isinstance(output, Tensor):
-            raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; the privacy engine "
-                            "tracks layers that return one tensor.")
         rule, names = self.tracked[module]
+        if not isinstance(output, Tensor):
+            raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) returned "
+                            f"{type(output).__name__}, but its rule describes a layer returning one tensor; "
+                            "freeze it or use clipping_mode='per_sample'.")
+        inputs = args + tuple(kwargs.values()) if getattr(rule, "takes_keywords", False) else \
+            bind_inputs(module, args, kwargs)
+        # rules that read their inputs from the call themselves (keep_call: position ids, DoRA's adapters) say
+        # which inputs they use; the count check is for rules that take the positional inputs as given
+        expected = None if hasattr(rule, "keep_call") else getattr(rule, "num_inputs", 1)
+        if expected is not None and len(inputs) != expected and not self.probing and module not in self.verified:
+            raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) is called with "
+                            f"{len(inputs)} inputs but its rule describes {expected}, so its per-example gradient "
+                            "is unproven; run the start-up probe (privacy.verify / engine.verify()) or freeze it.")
         if not output.requires_grad:
             output.requires_grad_(True)  # a leaf: the layer's weights are excluded from autograd in this pass
         with torch.no_grad():  # what we keep feeds our own arithmetic, never autograd's graph
-            detached = tuple(x.detach() if isinstance(x, Tensor) else x for x in args)
-            # A rule that derives its inputs from keyword arguments (position_ids, DoRA's adapters) has keep_call.
-            if hasattr(rule, "keep_call"):
-                kept = rule.keep_call(module, detached, kwargs)
+            rows = output.shape[0] if output.ndim else 0
+            detached_kwargs = {k: v for k, v in zip(kwargs, _detached(kwargs.values()))}
+            if getattr(rule, "takes_keywords", False):  # the torch.func fallback replays the call as made
+                kept = rule.keep(module, (_detached(args), detached_kwargs, self.batch_size))
+            elif hasattr(rule, "keep_call"):  # inputs derived from keyword arguments (position_ids, DoRA's adapters)
+                kept = rule.keep_call(module, _detached(args), kwargs)
             else:
-                kept = rule.keep(module, detached)
+                kept = rule.keep(module, _detached(inputs))
         if hasattr(rule, "broadcast_output"):  # one output row shared by the batch: one view per example (BART)
             output = rule.broadcast_output(module, output, kept)
-        self.record(module, rule, kept, output)
+            rows = output.shape[0] if output.ndim else 0
+        use = self._new_use(module, rule, names, kept, output)
+        if self.batch_size is None or rows != self.batch_size:
+            use.problem = (f"its output has {rows} rows where the model's batch has {self.batch_size} examples, so "
+                           "its rows are not one example each (sequence-first layout, experts fed gathered tokens, "
+                           "a batch-shared tensor)")
+        else:
+            use.units = torch.arange(rows, device=output.device)
+        if self.probing and module in self._expanded:
+            self.expansions[-1] = (module, self.expansions[-1][1], output)
+        self._expanded.discard(module)
         return output
 
     def record(self, module: nn.Module, rule: Any, kept: Any, output: Tensor, grad_view=None) -> Use:
-        """One use of ``module``: what its rule kept, and a hook that keeps the gradient reaching ``output``
-        (reshaped by ``grad_view`` for rules whose rows are regrouped by example)."""
-        use = Use(module, rule, self.tracked[module][1], kept, output if self.keep_outputs else None)
+        """One use recorded by a rule with its own hooks, whose ``kept`` rows are already regrouped one per example
+        (``grad_view`` regroups the output's gradient the same way): shared tables, flattened or sequence-first
+        rows."""
+        use = self._new_use(module, rule, self.tracked[module][1], kept, output, grad_view)
+        use.units = torch.arange(self.batch_size, device=output.device)
+        return use
+
+    def _new_use(self, module: nn.Module, rule: Any, names: tuple, kept: Any, output: Tensor, grad_view=None) -> Use:
+        use = Use(module, rule, names, kept, output=output, version=output._version,
+                  output_ref=weakref.ref(output))
+        self._pending.append(use)
 
         def keep_grad(grad: Tensor) -> None:
-            if use.grad_output is None and not use.released:
-                use.grad_output = grad if grad_view is None else grad_view(grad)
+            if use.released or use.grad_output is not None:
+                return
+            current = use.output_ref()
+            if current is not None and current._version != use.version:  # changed after the model returned
+                use.problem = IN_PLACE
+            use.grad_output = grad if grad_view is None else grad_view(grad)
 
         output.register_hook(keep_grad)
         self.uses.append(use)

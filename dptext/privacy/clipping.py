@@ -28,7 +28,7 @@ def uses_by_parameter(uses: list[Use]) -> dict[nn.Parameter, list[tuple[Use, str
     grouped: dict[nn.Parameter, list[tuple[Use, str]]] = defaultdict(list)
     for use in uses:
         for name in use.names:
-            grouped[getattr(use.module, name)].append((use, name))
+            grouped[use.module.get_parameter(name)].append((use, name))
     return grouped
 
 
@@ -51,7 +51,7 @@ def _sum_per_parameter(uses: list[Use], per_use) -> dict[nn.Parameter, Tensor]:
     totals: dict[nn.Parameter, Tensor] = {}
     for use in uses:
         for name, value in per_use(use).items():
-            param = getattr(use.module, name)
+            param = use.module.get_parameter(name)
             totals[param] = totals[param] + value if param in totals else value
     return totals
 
@@ -85,7 +85,7 @@ def clip_coefficients(norms_sq: dict[nn.Parameter, Tensor], max_grad_norm: float
 def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
     """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping)."""
     def clipped_sum_of(use: Use) -> dict[str, Tensor]:
-        use_coef = {name: coef[getattr(use.module, name)] for name in use.names}
+        use_coef = {name: coef[use.module.get_parameter(name)] for name in use.names}
         return use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output, use_coef)
 
     return _sum_per_parameter(uses, clipped_sum_of)
@@ -99,3 +99,39 @@ def per_example_grads(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
 def clipped_sums_from_per_example(grads: dict[nn.Parameter, Tensor],
                                   coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
     return {param: torch.tensordot(coef[param].to(grad.dtype), grad, dims=1) for param, grad in grads.items()}
+
+
+def invariant_tolerance(dtypes) -> float:
+    """Relative slack for rounding: sums formed in bf16/fp16 (autocast) round far more than fp32 ones."""
+    return 2e-2 if any(dtype in (torch.bfloat16, torch.float16) for dtype in dtypes) else 1e-3
+
+
+def check_clipped_sums(sums: dict[nn.Parameter, Tensor], norms: Tensor, units: int, max_grad_norm: float,
+                       layout: str, num_groups: int) -> tuple[nn.Parameter, str] | None:
+    """The per-step invariant (issue 23): per-example norms finite, and the clipped sum of ``units`` units within
+    units·C (per-layer layout: each parameter within units·C/√P). Returns (parameter, why) on a violation.
+
+    It runs on private data, so ``why`` names the failed property, never a value from the batch. Triangle
+    inequality: ‖Σ_i c_i g_i‖ ≤ Σ_i ‖c_i g_i‖ ≤ units·C whatever the data, so a violation is an engine bug
+    (or a non-finite gradient), not bad luck."""
+    if not bool(torch.isfinite(norms).all()):
+        return next(iter(sums), None), "a per-example gradient norm is not finite"
+    if not sums:
+        return None
+    tolerance = invariant_tolerance({total.dtype for total in sums.values()})
+    params = list(sums)
+    # vector_norm reduces (in fp32 at least) without a squared temporary the size of the model
+    squares = torch.stack([torch.linalg.vector_norm(
+        sums[param], dtype=torch.promote_types(sums[param].dtype, torch.float32)).float().to(norms.device)
+        for param in params]).pow(2)
+    if not bool(torch.isfinite(squares).all()):  # one device sync per check, not one per parameter
+        return params[int((~torch.isfinite(squares)).nonzero()[0])], "its clipped sum is not finite"
+    if layout == "all_layer":
+        if float(squares.sum().sqrt()) > units * max_grad_norm * (1 + tolerance):
+            return params[int(squares.argmax())], "the clipped sum exceeds the batch's budget of units × C"
+        return None
+    budget = units * max_grad_norm / math.sqrt(num_groups) * (1 + tolerance)
+    over = squares.sqrt() > budget
+    if bool(over.any()):
+        return params[int(over.nonzero()[0])], "its clipped sum exceeds its per-layer budget of units × C/√P"
+    return None

@@ -18,11 +18,14 @@ Clipping modes (same clipped sums, different cost):
 * ``ghost``: two backward passes (Li et al.): the first gives the norms, the second differentiates Σ_i c_i·loss_i
   with ordinary autograd. All-layer clipping only.
 * ``per_sample``: instantiates per-example gradients (the opacus way); the memory-hungry reference.
+
+Fail closed (docs/privacy_engine.md): ``verify()`` runs the synthetic start-up probe against brute-force
+autograd; every step the records must cover exactly the planned parameters (``replan()`` after changing what is
+trained) and the clipped sums must satisfy the per-step invariant, or the step stops before the update.
 """
 
 from __future__ import annotations
 
-import math
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable
 
@@ -33,56 +36,16 @@ from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsil
 from dptext.errors import UserError
 from dptext.privacy import clipping
 from dptext.privacy.capture import UseRecorder
-from dptext.privacy.norms import find_child_rules, find_rule
-from dptext.privacy.norms.functional import FunctionalRule
 from dptext.privacy.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names, _sampling_numbers,
+                                 find_tracked_modules, unproven_rules)
 from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
+from dptext.privacy.verify import probe as verify_probe
 
 CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
 CLIPPING_LAYOUTS = ("all_layer", "per_layer")
 SAMPLINGS = ("poisson", "shuffle")
-
-
-def _module_names(model: nn.Module) -> dict[nn.Module, str]:
-    return {module: name or type(model).__name__ for name, module in model.named_modules()}
-
-
-def find_tracked_modules(model: nn.Module, clipping_mode: str) -> dict[nn.Module, tuple[Any, tuple[str, ...]]]:
-    """Every module owning trainable parameters, with its rule; refuses the model before step 0 otherwise."""
-    names = _module_names(model)
-    owners: dict[nn.Parameter, list[nn.Module]] = {}
-    tracked, ruleless = {}, []
-    child_rules = find_child_rules(model)  # e.g. T5's relative-position bias: an nn.Embedding used batch-free
-    for module in names:
-        own = tuple(name for name, p in module.named_parameters(recurse=False) if p.requires_grad)
-        if not own:
-            continue
-        for name in own:
-            owners.setdefault(getattr(module, name), []).append(module)
-        rule = child_rules.get(module) or find_rule(module)
-        reason = getattr(rule, "unsupported", lambda m: None)(module) if rule else None
-        if reason:
-            raise UserError(f"Layer '{names[module]}' ({type(module).__name__}) cannot be trained privately: "
-                            f"{reason}; change that setting or freeze the layer (requires_grad_(False)).")
-        if rule is None:
-            ruleless.append((module, own))
-        else:
-            tracked[module] = (rule, own)
-    for module, own in ruleless:
-        # HF ties e.g. ``lm_head.bias`` to ``lm_head.decoder.bias``: an alias held by a parent whose child has a rule.
-        if all(any(o in tracked and o is not module and names[o].startswith(names[module] + ".")
-                   for o in owners[getattr(module, name)]) for name in own):
-            continue
-        if clipping_mode == "per_sample":
-            tracked[module] = (FunctionalRule(), own)
-            continue
-        raise UserError(
-            f"Layer '{names[module]}' ({type(module).__name__}) has trainable parameters "
-            f"({', '.join(own)}) but no per-example gradient rule; freeze it (requires_grad_(False)), or use "
-            "clipping_mode='per_sample', which handles it with torch.func if its forward is a plain function "
-            "of its inputs.")
-    return tracked
 
 
 class PrivacyEngine:
@@ -133,19 +96,65 @@ class PrivacyEngine:
         self.steps = 0
         self.distributed = distributed if distributed is not None and distributed.active else None
 
-        tracked = find_tracked_modules(model, clipping_mode)
-        self.params = list(dict.fromkeys(getattr(m, n) for m, (_, names) in tracked.items() for n in names))
-        if not self.params:
-            raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
-        _check_optimizer(optimizer, self.params)
-        self.recorder = UseRecorder(model, tracked, keep_outputs=clipping_mode == "ghost")
-        if clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
-            for param in self.params:
-                param.requires_grad_(False)
+        self.optimizer = optimizer
+        self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
+        self._probe_args: tuple = ()
+        self._plan()
         self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
                                         self.expected_batch_size, NoiseSource(self.root, secure_rng, self.rank),
                                         reduce=self.distributed.all_reduce_sum if self.distributed else None,
                                         adds_noise=self.distributed is None or self.distributed.rank == 0)
+        self.dp_optimizer.param_names = self._param_names()
+
+    def _plan(self) -> None:
+        """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
+        self.names = _module_names(self.model)
+        self.tracked = find_tracked_modules(self.model, self.clipping_mode)
+        self.params = list(dict.fromkeys(module.get_parameter(name) for module, (_, names) in self.tracked.items()
+                                         for name in names))
+        if not self.params:
+            raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
+        _check_optimizer(self.optimizer, self.params, self._param_names())
+        self.unproven = unproven_rules(self.model, self.tracked)
+        self.recorder = UseRecorder(self.model, self.tracked, keep_outputs=self.clipping_mode == "ghost",
+                                    names=self.names)
+        if self.clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
+            for param in self.params:
+                param.requires_grad_(False)
+
+    def _param_names(self) -> dict[nn.Parameter, str]:
+        return {param: name for name, param in self.model.named_parameters(remove_duplicate=False)}
+
+    def replan(self, verify: bool = True, make_batch=None, loss_fn=None) -> None:
+        """Re-plan after the trainable set changed (a layer unfrozen, a head replaced, ``add_param_group``).
+
+        Call it between logical steps. With ``verify`` the synthetic probe re-verifies the new plan (with the
+        arguments of the last ``verify()`` unless new ones are given); nothing is trusted from the old plan."""
+        if self.dp_optimizer.summed:
+            raise UserError("replan() was called in the middle of a logical batch; call it after step().")
+        self.recorder.remove()
+        if self.clipping_mode != "ghost":  # give autograd back what the old plan took, if still in the model
+            in_model = set(self.model.parameters())
+            for param in self.params:
+                param.requires_grad_(param in in_model)
+        self._plan()
+        self.dp_optimizer.params = self.params
+        self.dp_optimizer.param_names = self._param_names()
+        self.verified = False
+        if verify:
+            old_batch, old_loss = self._probe_args or (None, None)
+            self.verify(make_batch or old_batch, loss_fn or old_loss)
+
+    def verify(self, make_batch=None, loss_fn=None, **options):
+        """Run the start-up probe (``dptext.privacy.verify.probe``) on synthetic inputs; refuse on any mismatch.
+
+        Returns the per-layer report. ``replan()`` re-runs it with the same arguments."""
+        report = verify_probe(self, make_batch, loss_fn, **options)
+        self._probe_args = (make_batch, loss_fn)
+        report.raise_if_refused()
+        self.verified = True
+        self.recorder.verified = set(self.tracked)
+        return report
 
     # ------------------------------------------------------------------ the training step
 
@@ -166,14 +175,30 @@ class PrivacyEngine:
 
     def _clip_and_sum_uses(self, uses) -> Tensor:
         if self.clipping_mode == "bookkeeping":
-            coef, norms = self._coefficients(clipping.norm_sq_per_parameter(uses))
+            norms_sq = clipping.norm_sq_per_parameter(uses)
+            coef, norms = self._coefficients(norms_sq)
             sums = clipping.clipped_sums(uses, coef)
         else:
             grads = clipping.per_example_grads(uses)
-            coef, norms = self._coefficients(clipping.norm_sq_from_per_example(grads))
+            norms_sq = clipping.norm_sq_from_per_example(grads)
+            coef, norms = self._coefficients(norms_sq)
             sums = clipping.clipped_sums_from_per_example(grads, coef)
-        self.dp_optimizer.add_clipped_sums(sums, uses[0].batch_size)
+        self._add_checked(sums, norms_sq, norms, uses[0].batch_size)
         return norms
+
+    def _add_checked(self, sums, norms_sq, norms, units: int) -> None:
+        """The per-step invariant, then the sums join the logical batch; a violation writes nothing."""
+        self.last_norms_sq = norms_sq if self.recorder.probing else None
+        problem = clipping.check_clipped_sums(sums, norms, units, self.max_grad_norm, self.clipping_layout,
+                                              len(self.params))
+        if problem is not None:
+            self.dp_optimizer.zero_grad()
+            param, why = problem
+            name = self._param_names().get(param, "?") if param is not None else "(no parameter)"
+            raise UserError(f"The per-step privacy check failed at parameter '{name}' ({why}); nothing from this "
+                            "batch was applied — lower the learning rate if training diverged, else report this "
+                            "engine bug and use clipping_mode='per_sample' meanwhile.")
+        self.dp_optimizer.add_clipped_sums(sums, units)
 
     def accumulate(self, per_example_loss: Tensor) -> Tensor:
         """Backward pass for one (micro-)batch: adds its clipped per-example gradients to the logical batch.
@@ -201,10 +226,21 @@ class PrivacyEngine:
         Calling it with nothing accumulated is the step of an empty Poisson batch: noise only."""
         if per_example_loss is not None:
             self.accumulate(per_example_loss)
+        self._check_trainable_set()
         self.dp_optimizer.step()
         self.steps += 1
         if self._record_step is not None:
             self._record_step(sample_rate=self.sample_rate, noise_multiplier=self.noise_multiplier)
+
+    def _check_trainable_set(self) -> None:
+        """Every parameter the model would train must be in this plan (gradual unfreezing, a replaced head)."""
+        planned = set(self.params)
+        for name, param in self.model.named_parameters():
+            if param.requires_grad and param not in planned:
+                self.dp_optimizer.zero_grad()
+                raise UserError(f"Parameter '{name}' became trainable after the privacy engine planned its "
+                                "clipping, so it has no clipped gradient; call engine.replan() after changing "
+                                "what is trained (it re-runs the probe), or freeze it.")
 
     def zero_grad(self) -> None:
         """Drop what was accumulated for the current logical batch."""
@@ -220,6 +256,17 @@ class PrivacyEngine:
         if not uses:
             raise UserError("No trainable layer received a gradient; was the model called with the engine's hooks "
                             "(not under torch.no_grad) before this step?")
+        for use in uses:
+            name = self.names.get(use.module, type(use.module).__name__)
+            if use.problem:
+                raise UserError(f"Layer '{name}' ({type(use.module).__name__}) cannot be clipped exactly: "
+                                f"{use.problem}; freeze it, train it through LoRA, or change the model.")
+            if not self.recorder.probing and self.recorder.hooks_changed(use.module):
+                raise UserError(f"Forward hooks of layer '{name}' changed after the privacy engine planned its "
+                                "clipping; call engine.replan() (it re-runs the probe) after adding hooks.")
+            if use.module in self.unproven and use.module not in self.recorder.verified and not self.recorder.probing:
+                raise UserError(f"Layer '{name}' ({type(use.module).__name__}) needs the start-up probe because "
+                                f"{self.unproven[use.module]}; run engine.verify() (privacy.verify) or freeze it.")
         wrong = [use for use in uses if use.batch_size != len(per_example_loss)]
         if wrong:
             layer = self.recorder.names.get(wrong[0].module, type(wrong[0].module).__name__)
@@ -237,7 +284,8 @@ class PrivacyEngine:
         torch.autograd.grad(per_example_loss.sum(), self.recorder.outputs(), retain_graph=True, allow_unused=True)
         uses = self._uses_for(per_example_loss)
         with self._exact_arithmetic():
-            coef, norms = self._coefficients(clipping.norm_sq_per_parameter(uses))
+            norms_sq = clipping.norm_sq_per_parameter(uses)
+            coef, norms = self._coefficients(norms_sq)
         for use in uses:  # pass 2 needs none of them; the retained graph would keep them alive
             use.release()
         del uses
@@ -247,7 +295,7 @@ class PrivacyEngine:
         sums = {param: param.grad for param in self.params if param.grad is not None}
         for param in self.params:
             param.grad = None
-        self.dp_optimizer.add_clipped_sums(sums, len(per_example_loss))
+        self._add_checked(sums, norms_sq, norms, len(per_example_loss))
         return norms
 
     # ------------------------------------------------------------------ sampling and accounting
@@ -308,34 +356,3 @@ class PrivacyEngine:
         self.recorder.remove()
         for param in self.params:
             param.requires_grad_(True)
-
-
-def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise UserError(f"{what} must be one of {', '.join(choices)}, not '{value}'.")
-
-
-def _sampling_numbers(sample_rate, dataset_size, expected_batch_size) -> tuple[float, int | None, float]:
-    if expected_batch_size is None:
-        if sample_rate is None or dataset_size is None:
-            raise UserError("Give sample_rate and dataset_size (or expected_batch_size): the noisy sum is divided "
-                            "by the expected batch size B = q·n.")
-        expected_batch_size = sample_rate * dataset_size
-    elif sample_rate is None:
-        if dataset_size is None:
-            raise UserError("Give dataset_size with expected_batch_size so the sampling rate q = B/n is known.")
-        sample_rate = expected_batch_size / dataset_size
-    if not 0 < sample_rate <= 1 or expected_batch_size <= 0 or not math.isfinite(expected_batch_size):
-        raise UserError(f"The sampling rate must be in (0, 1] and the expected batch size positive "
-                        f"(got q={sample_rate}, B={expected_batch_size}).")
-    return float(sample_rate), dataset_size, float(expected_batch_size)
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-    private = set(params)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.requires_grad and param not in private:
-                raise UserError(f"The optimizer updates a parameter of shape {tuple(param.shape)} that is not a "
-                                "trainable parameter of the model given to the engine, so it would not be "
-                                "privatized; pass the model that owns it or remove it from the optimizer.")

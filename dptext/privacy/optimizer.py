@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.privacy.randomness import RandomRoot
+from dptext.errors import UserError
 
 
 def random_seed() -> int:
@@ -85,6 +86,7 @@ class DPOptimizer:
         self.adds_noise = adds_noise
         self.scale = scale
         self.summed: dict[nn.Parameter, Tensor] = {}
+        self.param_names: dict[nn.Parameter, str] = {}  # for messages; the engine fills it
         self.examples_seen = 0  # realised examples in this logical batch: for logging only, never for scaling
 
     @property
@@ -116,7 +118,24 @@ class DPOptimizer:
         self.zero_grad()
         return grads
 
+    def check_owned(self) -> None:
+        """The optimizer must update nothing but the planned parameters (issue 23): a parameter added later with
+        ``add_param_group``, or one that requires grad / holds a ``.grad`` outside the plan, would get its raw
+        gradient. Stops before the update and drops the logical batch."""
+        planned = set(self.params)
+        for index, group in enumerate(self.optimizer.param_groups):
+            for param in group["params"]:
+                if param not in planned and (param.requires_grad or param.grad is not None):
+                    self.zero_grad()
+                    what = f"'{self.param_names[param]}'" if param in self.param_names else \
+                        f"of shape {tuple(param.shape)}"
+                    raise UserError(f"The optimizer's param group {index} holds a parameter {what} that the "
+                                    "privacy engine did not plan, so it would get a raw gradient; call "
+                                    "engine.replan() after add_param_group or unfreezing (it re-runs the probe), "
+                                    "or freeze it.")
+
     def step(self) -> None:
+        self.check_owned()
         for param, grad in self.privatized_grads().items():
             param.grad = grad.to(param.dtype)
         self.optimizer.step()

@@ -2,8 +2,11 @@
 own parameters by ``torch.func`` (vmap over the batch of a vector-Jacobian product of the layer alone).
 
 It instantiates every per-example gradient, like opacus' functorch mode, so it is offered only where
-instantiation is the point (the reference mode). It assumes the layer treats examples independently and
-takes its batch first in every positional tensor argument.
+instantiation is the point (the reference mode). The call is replayed as it was made: keyword arguments stay
+keyword arguments (masks passed as ``attention_mask=``), and only tensors whose first dimension is the batch are
+split per example; the rest (a (T, T) causal mask, a shared table) go to every example whole. Which inputs are
+batched is learned once per layer from a call where the batch size equals no other dimension (the probe's first
+batch has B ≠ T), so a later batch with B = T cannot turn a (T, T) mask into per-example rows.
 """
 
 from __future__ import annotations
@@ -11,30 +14,65 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dptext.errors import UserError
 from dptext.privacy.norms.instantiated import clipped_sum_of, norm_sq_of
 
 
+def _tensor_slots(args: tuple, kwargs: dict) -> list[tuple[object, Tensor]]:
+    return [(i, x) for i, x in enumerate(args) if isinstance(x, Tensor)] + \
+        [(k, x) for k, x in kwargs.items() if isinstance(x, Tensor)]
+
+
 class FunctionalRule:
-    def keep(self, module: nn.Module, inputs: tuple) -> tuple:
-        if not inputs or not all(isinstance(x, Tensor) for x in inputs):
-            raise TypeError(f"{type(module).__name__} needs tensor positional inputs for the functional fallback")
-        return tuple(inputs)
+    num_inputs = None  # any call signature: the call is replayed as made
+    takes_keywords = True
 
-    def per_example(self, module, names, inputs, grad_output) -> dict[str, Tensor]:
-        params = {name: getattr(module, name).detach() for name in names}
+    def __init__(self):
+        self.batched: frozenset | None = None  # the argument slots that carry the batch, once learned
 
-        def one_example(params, example_inputs, example_grad):
+    def keep(self, module: nn.Module, call: tuple) -> tuple:
+        args, kwargs, rows = call
+        slots = _tensor_slots(args, kwargs)
+        # The first tensor is the layer's main input (the recorder checked that its output has one row per
+        # example); any other tensor with the batch size first might be a shared (T, T) or (T, d) table.
+        by_shape = frozenset(slot for n, (slot, x) in enumerate(slots)
+                             if n == 0 or (x.ndim > 0 and x.shape[0] == rows))
+        other_sizes = {size for _, x in slots[1:] for size in x.shape[1:]}
+        unambiguous = rows > 1 and rows not in other_sizes or all(x.ndim == 0 or x.shape[0] != rows for _, x in slots[1:])
+        if self.batched is None and unambiguous:
+            self.batched = by_shape
+        batched = self.batched if self.batched is not None else by_shape
+        # Not learned yet and ambiguous (B equals another size): shape decides; the probe teaches the layout.
+        for slot, x in slots:
+            if slot in batched and (x.ndim == 0 or x.shape[0] != rows):
+                raise UserError(f"{type(module).__name__}'s input {slot!r} no longer has the batch first; "
+                                "freeze the layer or give it a rule.")
+        return args, kwargs, batched
+
+    def per_example(self, module, names, call, grad_output) -> dict[str, Tensor]:
+        args, kwargs, batched = call
+        params = {name: module.get_parameter(name).detach() for name in names}
+        arg_slots = [i for i, x in enumerate(args) if isinstance(x, Tensor) and i in batched]
+        kw_slots = [k for k, x in kwargs.items() if isinstance(x, Tensor) and k in batched]
+        batched_args = tuple(args[i] for i in arg_slots)
+        batched_kwargs = {k: kwargs[k] for k in kw_slots}
+
+        def one_example(params, example_args, example_kwargs, example_grad):
             def forward(p):
-                batched = tuple(x.unsqueeze(0) for x in example_inputs)
-                return torch.func.functional_call(module, p, batched)
+                call_args = list(args)
+                for i, x in zip(arg_slots, example_args):
+                    call_args[i] = x.unsqueeze(0)
+                call_kwargs = {**kwargs, **{k: x.unsqueeze(0) for k, x in example_kwargs.items()}}
+                return torch.func.functional_call(module, p, tuple(call_args), call_kwargs)
 
             _, vjp = torch.func.vjp(forward, params)
             return vjp(example_grad.unsqueeze(0))[0]
 
-        return torch.func.vmap(one_example, in_dims=(None, 0, 0))(params, inputs, grad_output)
+        return torch.func.vmap(one_example, in_dims=(None, 0, 0, 0))(params, batched_args, batched_kwargs,
+                                                                       grad_output)
 
-    def norm_sq(self, module, names, inputs, grad_output) -> dict[str, Tensor]:
-        return norm_sq_of(self.per_example(module, names, inputs, grad_output))
+    def norm_sq(self, module, names, call, grad_output) -> dict[str, Tensor]:
+        return norm_sq_of(self.per_example(module, names, call, grad_output))
 
-    def clipped_sum(self, module, names, inputs, grad_output, coef) -> dict[str, Tensor]:
-        return clipped_sum_of(self.per_example(module, names, inputs, grad_output), coef)
+    def clipped_sum(self, module, names, call, grad_output, coef) -> dict[str, Tensor]:
+        return clipped_sum_of(self.per_example(module, names, call, grad_output), coef)

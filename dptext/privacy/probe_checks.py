@@ -1,0 +1,250 @@
+"""The checks of the start-up probe (``dptext.privacy.verify``), one synthetic batch at a time.
+
+``probe_one`` runs them in order: the reference (per-example autograd without the hooks), the loss's
+independence (re-drawing one example must not move another's loss), the hooked forward with its structural
+checks (in-place outputs, rows that are not examples, batch-1 expansions, parameters read outside their module),
+the engine's norms and clipped sums against the reference, and the independence of every recorded row.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from dptext.privacy import clipping
+from dptext.privacy.capture import IN_PLACE
+
+RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
+DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"
+METADATA = {"__get__", "size", "dim", "numel", "is_floating_point", "data_ptr", "stride", "is_contiguous",
+            "element_size", "__len__", "__format__", "__repr__", "__hash__", "__eq__"}
+
+
+class ParameterReads(TorchFunctionMode):
+    """Records tracked parameters read by a torch function outside every module that owns them."""
+
+    def __init__(self, owners: dict[int, set[nn.Module]]):
+        super().__init__()
+        self.owners, self.stack, self.outside = owners, [], set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in METADATA:
+            for value in list(args) + list(kwargs.values()):
+                for item in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(item, Tensor) and id(item) in self.owners:
+                        if not self.stack or self.stack[-1] not in self.owners[id(item)]:
+                            self.outside.add(id(item))
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def same_randomness(device: torch.device):
+    """Every forward of the probe draws the same dropout masks."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(20240601)
+        yield
+
+
+def reference_gradients(engine, batch, loss_fn, device) -> tuple[Tensor, list[list[Tensor]]]:
+    """The loss vector and each example's gradient of every planned parameter, by its own autograd pass."""
+    params = engine.params
+    was = [p.requires_grad for p in params]
+    try:
+        for param in params:
+            param.requires_grad_(True)
+        with engine.recorder.paused(), same_randomness(device):
+            loss = loss_fn(engine.model, batch)
+        grads = []
+        for i in range(len(loss) if loss.ndim == 1 else 0):
+            row = torch.autograd.grad(loss[i], params, retain_graph=True, allow_unused=True)
+            grads.append([torch.zeros_like(p) if g is None else g.detach() for g, p in zip(row, params)])
+        return loss.detach(), grads
+    finally:
+        for param, flag in zip(params, was):
+            param.requires_grad_(flag)
+
+
+def engine_forward(engine, report, batch, loss_fn, device):
+    """The loss with the engine's hooks and the outside-read detector; returns (loss, uses) or None if refused."""
+    recorder = engine.recorder
+    owners: dict[int, set[nn.Module]] = {}
+    for module, (_, names) in engine.tracked.items():
+        for name in names:
+            owners.setdefault(id(module.get_parameter(name)), set()).add(module)
+    reads = ParameterReads(owners)
+    def enter(module, args) -> None:
+        reads.stack.append(module)
+
+    def leave(module, args, output) -> None:  # returns None: a hook's return value would replace the output
+        reads.stack.pop()
+
+    handles = []
+    for module in engine.tracked:
+        handles.append(module.register_forward_pre_hook(enter, prepend=True))
+        handles.append(module.register_forward_hook(leave))
+    recorder.probing = True
+    try:
+        with same_randomness(device), reads:
+            loss = loss_fn(engine.model, batch)
+    except Exception as error:  # noqa: BLE001 - a crash only with the hooks is the expansion's fault
+        expanded = {module for module, _, _ in recorder.expansions}
+        recorder.take_uses()
+        if not expanded:
+            raise
+        for module in expanded:
+            report.refuse(module, f"broadcasting its batch-1 input to the batch breaks the model's forward "
+                                  f"({type(error).__name__})")
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    for module, args, output in recorder.expansions:
+        with torch.no_grad(), recorder.paused():
+            alone = module(*args)
+        if output is None or not _broadcasts_to(alone, output):
+            report.refuse(module, "broadcasting its batch-1 input to the batch changes its output")
+    for module, (_, names) in engine.tracked.items():
+        for name in names:
+            if id(module.get_parameter(name)) in reads.outside:
+                report.refuse(module, f"its parameter '{name}' is also read outside the module (a functional use "
+                                      "or a second module), a path its rule does not see")
+    uses = list(recorder.uses)
+    for use in uses:
+        if use.problem:
+            report.refuse(use.module, use.problem)
+        elif use.output is not None and use.output._version != use.version:
+            report.refuse(use.module, IN_PLACE)
+    return loss, uses
+
+
+def _broadcasts_to(alone: Any, output: Tensor) -> bool:
+    if not isinstance(alone, Tensor):
+        return False
+    try:
+        return bool(torch.allclose(alone.expand_as(output), output.detach()))
+    except RuntimeError:
+        return False
+
+
+def _owners_of(engine, param) -> list[nn.Module]:
+    return [m for m, (_, names) in engine.tracked.items() if any(m.get_parameter(n) is param for n in names)]
+
+
+def compare(engine, report, reference: list[list[Tensor]], norms_sq, sums) -> None:
+    """Per parameter: engine norms and clipped sums against the reference's, clipped with the same C."""
+    params = engine.params
+    ref_norms = {p: torch.stack([row[k].double().pow(2).sum() for row in reference]) for k, p in enumerate(params)}
+    coef, totals = clipping.clip_coefficients(ref_norms, engine.max_grad_norm, engine.clipping_layout, len(params))
+    floor = 1e-8 * float(totals.max()) ** 2 + 1e-30
+    # Norms first: one wrong norm changes every coefficient in the all-layer layout, so the clipped sums of
+    # innocent layers would differ too; the norm points at the layer to blame.
+    norm_failures = []
+    for param in params:
+        got = norms_sq.get(param) if norms_sq is not None else None
+        if got is None:
+            if norms_sq is not None and float(ref_norms[param].max()) > floor:
+                norm_failures.append((param, "the engine recorded no gradient for it but brute-force autograd "
+                                              "finds one (a path its hooks do not see)"))
+        elif bool(((got.double() - ref_norms[param]).abs() > RTOL * ref_norms[param] + floor).any()):
+            norm_failures.append((param, "its per-example gradient norms" + DIFFER))
+    sum_failures = []
+    for k, param in enumerate(params if not norm_failures else []):
+        expected_sum = sum(c * row[k].double() for c, row in zip(coef[param].tolist(), reference))
+        got_sum = sums.get(param, torch.zeros_like(expected_sum)).double()
+        error = float((got_sum - expected_sum).norm())
+        if error > RTOL * float(expected_sum.norm()) + 1e-6 * engine.max_grad_norm:
+            sum_failures.append((param, "its clipped sums" + DIFFER))
+    for param, what in norm_failures + sum_failures:
+        for module in _owners_of(engine, param):
+            report.refuse(module, what)
+    for module in engine.tracked:
+        if report.rows[module].status == "not reached" and any(
+                float(ref_norms[module.get_parameter(n)].max()) > floor for n in engine.tracked[module][1]):
+            report.rows[module].status = "exact"
+
+
+def perturbed(batch: dict[str, Tensor], example: int) -> dict[str, Tensor]:
+    """The batch with ``example``'s unpadded tokens re-drawn."""
+    ids = batch["input_ids"].clone()
+    generator = torch.Generator().manual_seed(99 + example)
+    fresh = torch.randint(1, max(2, int(ids.max()) + 1), ids[example].shape, generator=generator).to(ids)
+    ids[example] = torch.where(ids[example] != 0, fresh, ids[example])
+    return {**batch, "input_ids": ids}
+
+
+def others(loss: Tensor, example: int) -> Tensor:
+    return torch.arange(len(loss), device=loss.device) != example
+
+
+def check_loss_independence(engine, report, batch, loss_fn, device, loss) -> None:
+    """Re-draw each example's tokens in turn: every other example's loss must stay put (checked without the
+    hooks). Every example, not one: a router that picks tokens by score lets only some examples move others."""
+    for example in range(len(loss)):
+        with torch.no_grad(), engine.recorder.paused(), same_randomness(device):
+            other = loss_fn(engine.model, perturbed(batch, example))
+        keep = others(loss, example)
+        if other.shape != loss.shape or not torch.allclose(other[keep], loss[keep], rtol=1e-9, atol=1e-12):
+            report.loss_problem = ("changing one example changed another example's loss, so examples interact "
+                                   "(in-batch negatives, batch statistics, a batch-averaged loss, routing by "
+                                   "score across the batch); such a loss needs another privacy unit")
+            return
+
+
+def check_row_independence(engine, report, batch, loss_fn, device, loss, rows_before) -> None:
+    """Re-draw each example's tokens in turn: every other row of every recorded input must stay put (rows are
+    examples)."""
+    engine.recorder.take_uses()
+    engine.recorder.probing = True
+    for example in range(len(loss)):
+        with same_randomness(device):
+            loss_fn(engine.model, perturbed(batch, example))
+        changed_uses = list(engine.recorder.uses)
+        engine.recorder.take_uses()
+        keep = others(loss, example)
+        for (module, a), second in zip(rows_before, changed_uses):
+            b = _first_tensor(second.activation)
+            if module is not second.module or a is None or b is None or a.shape != b.shape or len(a) != len(loss):
+                continue
+            if not torch.allclose(a[keep].double(), b[keep].double(), rtol=1e-9, atol=1e-12):
+                report.refuse(module, "changing one example changed other rows of its input, so its rows are "
+                                      "not one example each (sequence-first layout, experts fed gathered tokens)")
+
+
+def _first_tensor(activation: Any) -> Tensor | None:
+    value = activation[0] if isinstance(activation, tuple) else activation
+    return value if isinstance(value, Tensor) else None
+
+
+def probe_one(engine, report, batch, loss_fn, device, perturb: bool) -> None:
+    loss_ref, reference = reference_gradients(engine, batch, loss_fn, device)
+    examples = batch["input_ids"].shape[0] if "input_ids" in batch else len(loss_ref)
+    if loss_ref.ndim != 1 or len(loss_ref) != examples:
+        report.loss_problem = (f"the loss has shape {tuple(loss_ref.shape)} for {examples} examples; return one "
+                               "loss per example (dptext.privacy.per_example_loss)")
+        return
+    if perturb and "input_ids" in batch:
+        check_loss_independence(engine, report, batch, loss_fn, device, loss_ref)
+        if report.loss_problem:
+            return
+    forward = engine_forward(engine, report, batch, loss_fn, device)
+    if forward is None:
+        return
+    loss, uses = forward
+    if not torch.allclose(loss.detach(), loss_ref, rtol=1e-9, atol=1e-12):
+        for module, _, _ in engine.recorder.expansions:
+            report.refuse(module, "broadcasting its batch-1 input to the batch changes the model's output")
+    if report.refused() or report.loss_problem:
+        engine.recorder.take_uses()
+        return
+    rows_before = [(use.module, _first_tensor(use.activation)) for use in uses]
+    engine.accumulate(loss)
+    norms_sq, sums = engine.last_norms_sq, engine.clipped_grads()
+    engine.zero_grad()
+    compare(engine, report, reference, norms_sq, sums)
+    if perturb and "input_ids" in batch:
+        check_row_independence(engine, report, batch, loss_fn, device, loss_ref, rows_before)
