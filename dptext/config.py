@@ -136,8 +136,9 @@ class PrivacyConfig:
         "For edp_sgd, noise_multiplier is z_0 (noise std / C), and target_epsilon calibrates z_0 for the whole "
         "decaying schedule.")
     edp_micro_batches_per_device: int = doc(
-        1, "edp_sgd: clipping units (micro-batch slots) per process; example i belongs to slot i mod (processes·K), "
-        "fixed by index. More slots = more signal per step, one backward pass each.", ge=1)
+        1, "edp_sgd: clipping units (micro-batch slots) per process; an example's slot is a keyed hash of its record "
+        "(never its position), so removing one record moves only its own slot. More slots = more signal per step, "
+        "one backward pass each.", ge=1)
     edp_scaling: Literal["uniform", "public", "first_step"] = doc(
         "uniform", "edp_sgd: per-parameter-tensor scaling α (clip and noise in the α-scaled space): uniform α=1, "
         "measured on public examples (edp_public_path; no privacy cost), or on the first private training "
