@@ -56,16 +56,10 @@ def check_outcome(arch_name: str, outcome: str, situation: str = "default") -> N
     assert re.search(r"Layer '[\w.]+' \(\w+\)", message), f"refusal does not name the layer: {message!r}"
 
 
-def run_or_xfail(arch_name: str, mode: str, layout: str, situation: str) -> None:
-    try:
-        outcome = run_cell(BY_NAME[arch_name], mode, layout, situation)
-    except AssertionError:
-        if arch_name in KNOWN_REFUSED and situation in ("batch_eq_length", "single_token"):
-            # B = T (or T = 1 with flattened rows): the batch-size guard cannot tell positions from examples.
-            pytest.xfail(f"{arch_name}: {KNOWN_REFUSED[arch_name]}; at this shape the engine must refuse by "
-                         "structure, not by a batch-size comparison")
-        raise
-    check_outcome(arch_name, outcome, situation)
+def run_checked(arch_name: str, mode: str, layout: str, situation: str) -> None:
+    # No expected failures: since the fail-closed engine, a known-refused model is refused by structure at every
+    # shape (B = T included), never silently wrong, so a wrong cell always fails.
+    check_outcome(arch_name, run_cell(BY_NAME[arch_name], mode, layout, situation), situation)
 
 
 def test_the_matrix_covers_thirty_architectures_of_every_family_and_head():
@@ -77,38 +71,38 @@ def test_the_matrix_covers_thirty_architectures_of_every_family_and_head():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch_name", [arch.name for arch in ARCHS])
 def test_every_architecture_in_every_mode(arch_name, mode):
-    run_or_xfail(arch_name, mode, "all_layer", "default")
+    run_checked(arch_name, mode, "all_layer", "default")
 
 
 @pytest.mark.parametrize("arch_name", [arch.name for arch in ARCHS])
 def test_every_architecture_with_per_layer_clipping(arch_name):
-    run_or_xfail(arch_name, "bookkeeping", "per_layer", "default")
+    run_checked(arch_name, "bookkeeping", "per_layer", "default")
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("situation", SITUATION_NAMES)
 @pytest.mark.parametrize("arch_name", CORE)
 def test_situations_in_every_mode(arch_name, situation, mode):
-    run_or_xfail(arch_name, mode, "all_layer", situation)
+    run_checked(arch_name, mode, "all_layer", situation)
 
 
 @pytest.mark.parametrize("situation", SITUATION_NAMES)
 @pytest.mark.parametrize("arch_name", SPECIAL)
 def test_situations_on_the_special_rules(arch_name, situation):
-    run_or_xfail(arch_name, "bookkeeping", "all_layer", situation)
+    run_checked(arch_name, "bookkeeping", "all_layer", situation)
 
 
 @pytest.mark.parametrize("situation", SITUATION_NAMES)
 @pytest.mark.parametrize("arch_name", CORE)
 def test_situations_with_per_layer_clipping(arch_name, situation):
-    run_or_xfail(arch_name, "bookkeeping", "per_layer", situation)
+    run_checked(arch_name, "bookkeeping", "per_layer", situation)
 
 
 @pytest.mark.parametrize("situation", ("batch_eq_length", "single_token"))
 @pytest.mark.parametrize("arch_name", sorted(KNOWN_REFUSED))
 def test_refused_architectures_at_coincident_shapes(arch_name, situation):
     """Where rows are positions or tokens, B = T must not turn a refusal into a silently wrong sum."""
-    run_or_xfail(arch_name, "bookkeeping", "all_layer", situation)
+    run_checked(arch_name, "bookkeeping", "all_layer", situation)
 
 
 @pytest.mark.slow
@@ -117,7 +111,7 @@ def test_refused_architectures_at_coincident_shapes(arch_name, situation):
 @pytest.mark.parametrize("situation", SITUATION_NAMES)
 @pytest.mark.parametrize("arch_name", [arch.name for arch in ARCHS])
 def test_full_cross_product(arch_name, situation, mode, layout):
-    run_or_xfail(arch_name, mode, layout, situation)
+    run_checked(arch_name, mode, layout, situation)
 
 
 def clipped_total(model, batch, mode, layout, rows) -> torch.Tensor:

@@ -33,6 +33,12 @@ def _layer(family: str, name: str) -> str:
     return f"transformers.models.{family}.modeling_{family}.{name}"
 
 
+def position_call(args: tuple, kwargs: dict, first: str) -> tuple:
+    """The three inputs every learned-position embedding takes: (``first``, past length, position_ids)."""
+    return (argument(args, kwargs, 0, first), int(argument(args, kwargs, 1, "past_key_values_length", 0)),
+            argument(args, kwargs, 2, "position_ids"))
+
+
 class PositionalEmbeddingRule(EmbeddingRule):
     def broadcast_output(self, module: nn.Module, output: Tensor, ids: Tensor) -> Tensor:
         """Given one row of position_ids (BART's decoder passes its cache positions), the layer returns one row of
@@ -45,9 +51,7 @@ class PositionalEmbeddingRule(EmbeddingRule):
                        _layer("biogpt", "BioGptLearnedPositionalEmbedding"))
 class MaskPositionalEmbeddingRule(PositionalEmbeddingRule):
     def keep_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-        mask = argument(args, kwargs, 0, "attention_mask")
-        past = int(argument(args, kwargs, 1, "past_key_values_length", 0))
-        position_ids = argument(args, kwargs, 2, "position_ids")
+        mask, past, position_ids = position_call(args, kwargs, "attention_mask")
         if position_ids is None:
             position_ids = (torch.cumsum(mask, dim=1) * mask - 1).long()[:, past:]
         elif position_ids.shape[0] not in (1, mask.shape[0]):
@@ -60,9 +64,7 @@ class MaskPositionalEmbeddingRule(PositionalEmbeddingRule):
                        _layer("mbart", "MBartLearnedPositionalEmbedding"))
 class RangePositionalEmbeddingRule(PositionalEmbeddingRule):
     def keep_call(self, module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-        shape_of = argument(args, kwargs, 0, "input_ids")
-        past = int(argument(args, kwargs, 1, "past_key_values_length", 0))
-        position_ids = argument(args, kwargs, 2, "position_ids")
+        shape_of, past, position_ids = position_call(args, kwargs, "input_ids")
         batch, length = shape_of.shape[:2]
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=shape_of.device)
