@@ -1,0 +1,62 @@
+"""The ``privacy`` section of a recipe: every setting that changes the DP guarantee or the mechanism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from dptext.config.fields import doc
+
+
+@dataclass
+class PrivacyConfig:
+    enabled: bool = doc(
+        True, "Train with differential privacy; false gives the non-private baseline of the same recipe.")
+    target_epsilon: Optional[float] = doc(8.0, "Target ε for the whole run; σ is calibrated to it.", gt=0)
+    delta: Optional[float] = doc(None, "Target δ; empty means 1/(2n) for n training examples (Li et al.).", gt=0, lt=1)
+    noise_multiplier: Optional[float] = doc(None, "Use this σ instead of calibrating from target_epsilon.", gt=0,
+                                            excludes="privacy.target_epsilon")
+    max_grad_norm: float = doc(0.1, "Per-example clipping norm C (Li et al. use 0.1).", gt=0)
+    accountant: Literal["rdp", "prv", "pld", "gdp"] = doc(
+        "rdp", "Accountant that calibrates σ and reports the run: rdp, prv (its upper bound) or pld; all four are "
+        "reported, but gdp (a CLT approximation, not a bound) is refused for training.")
+    sampling: Literal["poisson", "shuffle"] = doc(
+        "poisson", "Batch sampling. Only poisson matches the accounting, so a private run refuses shuffle; a "
+        "non-private baseline (enabled=false) may shuffle.")
+    clipping_mode: Literal["bookkeeping", "ghost", "per_sample"] = doc(
+        "bookkeeping", "How clipped sums are computed (does not change privacy): one backward pass (bookkeeping), "
+        "two (ghost), or instantiated per-example gradients (per_sample, the reference).")
+    clipping_layout: Literal["all_layer", "per_layer"] = doc(
+        "all_layer", "One norm over the whole model, or a threshold per layer (group-wise clipping).")
+    method: Literal["dp_sgd", "edp_sgd"] = doc(
+        "dp_sgd", "DP-SGD with per-example clipping, or eDP-SGD (Dupuy et al., SPEC §4): each process's micro-batch "
+        "gradient is clipped as one unit (sensitivity 2C, accounted as noise multiplier z/2); see docs/edp.md. "
+        "For edp_sgd, noise_multiplier is z_0 (noise std / C), and target_epsilon calibrates z_0 for the whole "
+        "decaying schedule.")
+    edp_micro_batches_per_device: int = doc(
+        1, "edp_sgd: clipping units (micro-batch slots) per process; an example's slot is a keyed hash of its record "
+        "(never its position), so removing one record moves only its own slot. More slots = more signal per step, "
+        "one backward pass each.", ge=1)
+    edp_scaling: Literal["uniform", "public", "first_step"] = doc(
+        "uniform", "edp_sgd: per-parameter-tensor scaling α (clip and noise in the α-scaled space): uniform α=1, "
+        "measured on public examples (edp_public_path; no privacy cost), or on the first private training "
+        "examples as in the paper (first_step: data-dependent, NOT covered by ε; labelled as leaking).")
+    edp_public_path: Optional[str] = doc(
+        None, "edp_scaling=public: file or folder of PUBLIC examples in the training data's format (read with "
+        "data.dataset's reader, its train split); they must not be private data.")
+    edp_public_examples: int = doc(64, "edp_sgd: examples whose mean gradient at the initial weights measures α "
+                                   "(public or first_step scaling).", ge=1)
+    noise_decay: Literal["none", "linear", "exponential"] = doc(
+        "none", "edp_sgd: noise decay by epoch t = step // round(1/q): z_t = z_0, z_0/(1+τt) or z_0·e^(−τt).",
+        only_with=("privacy.method", "edp_sgd"))
+    noise_decay_rate: float = doc(0.0, "edp_sgd: the decay rate τ of noise_decay.", ge=0,
+                                  only_with=("privacy.method", "edp_sgd"))
+    reproducible_noise: bool = doc(
+        False, "Derive the sampler and noise from train.seed so a run can be repeated exactly. Off by default: "
+        "they come from a secret os.urandom root that is never written to the run directory. When on, the "
+        "guarantee holds only while train.seed stays secret, and the summary, ledger and `dptext account` say so.")
+    secure_rng: bool = doc(False, "Also re-seed the noise from os.urandom before every step (a leaked generator "
+                           "state then predicts at most one step); a resume is then no longer bit-exact.")
+    verify: bool = doc(True, "Before training, check the engine's per-example norms and clipped sums against "
+                       "brute-force autograd on synthetic token ids (no private data, no privacy cost); any "
+                       "mismatch stops the run naming the layer. Does not change privacy.")
