@@ -11,7 +11,7 @@ import pytest
 
 from dptext.accounting import calibrate_noise_multiplier, plan_for_recipe
 from dptext.accounting.plan import recipe_sigmas
-from dptext.attacks.bookkeeping import trained_size
+from dptext.data.audit_split import trained_size
 from dptext.config import load_recipe
 from dptext.finetune.edp import accounting_sigma, noise_schedule
 

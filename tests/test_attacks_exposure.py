@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dptext.attacks import canaries, exposure
+from dptext.attacks import exposure
+from dptext.data import canaries
 from dptext.errors import UserError
 
 

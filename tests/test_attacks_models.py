@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dptext.attacks import attack_models, bookkeeping
+from dptext.attacks import attack_models
+from dptext.data import audit_split
 from dptext.errors import UserError
 
 
@@ -57,7 +58,7 @@ def recipe(**audit):
 
 def test_split_partitions_the_training_split_and_is_seeded():
     train = [{"mr": f"m{i}", "ref": f"r{i}"} for i in range(100)]
-    split = bookkeeping.split_for_audit(recipe(holdout_fraction=0.2, public_examples=30, canaries=1), train)
+    split = audit_split.split_for_audit(recipe(holdout_fraction=0.2, public_examples=30, canaries=1), train)
     sets = [{i for i, _ in part} for part in (split.members, split.nonmembers, split.public)]
     assert [len(s) for s in sets] == [50, 20, 30]
     assert set.union(*sets) == set(range(100)) and sum(map(len, sets)) == 100
@@ -65,13 +66,13 @@ def test_split_partitions_the_training_split_and_is_seeded():
     records = split.training_records("table_to_text", [])
     assert len(records) == 50 + 1 + 10 and records[:50] == [r for _, r in split.members]
     assert records[-1] == {"mr": "p", "ref": split.canaries["canaries"][1]["secret"]}
-    again = bookkeeping.split_for_audit(recipe(holdout_fraction=0.2, public_examples=30, canaries=1), train)
+    again = audit_split.split_for_audit(recipe(holdout_fraction=0.2, public_examples=30, canaries=1), train)
     assert again.nonmembers == split.nonmembers
-    other = bookkeeping.split_for_audit(recipe(holdout_fraction=0.2, public_examples=30, seed=1), train)
+    other = audit_split.split_for_audit(recipe(holdout_fraction=0.2, public_examples=30, seed=1), train)
     assert other.nonmembers != split.nonmembers
-    exact = bookkeeping.split_for_audit(recipe(holdout_fraction=0.2, holdout_examples=7), train)
+    exact = audit_split.split_for_audit(recipe(holdout_fraction=0.2, holdout_examples=7), train)
     assert len(exact.nonmembers) == 7
-    chosen = bookkeeping.split_for_audit(recipe(train_indices=[3, 1, 4]), train)
+    chosen = audit_split.split_for_audit(recipe(train_indices=[3, 1, 4]), train)
     assert [i for i, _ in chosen.members] == [1, 3, 4] and not chosen.nonmembers
 
 
@@ -81,18 +82,18 @@ def test_split_partitions_the_training_split_and_is_seeded():
 def test_trained_size_counts_what_the_split_trains_on(audit):
     train = [{"mr": f"m{i}", "ref": f"r{i}"} for i in range(100)]
     spec = recipe(**audit)
-    records = bookkeeping.split_for_audit(spec, train).training_records("table_to_text", [])
-    assert bookkeeping.trained_size(spec.audit, len(train)) == len(records)
+    records = audit_split.split_for_audit(spec, train).training_records("table_to_text", [])
+    assert audit_split.trained_size(spec.audit, len(train)) == len(records)
 
 
 def test_split_refuses_impossible_requests():
     train = [{"mr": "m", "ref": "r"}] * 10
     with pytest.raises(UserError, match="leave some to train on"):
-        bookkeeping.split_for_audit(recipe(holdout_examples=5, public_examples=5), train)
+        audit_split.split_for_audit(recipe(holdout_examples=5, public_examples=5), train)
     with pytest.raises(UserError, match="outside the training split"):
-        bookkeeping.split_for_audit(recipe(train_indices=[10]), train)
+        audit_split.split_for_audit(recipe(train_indices=[10]), train)
     classification = recipe(canaries=1)
     classification.task.type = "classification"
     with pytest.raises(UserError, match="language-model task"):
-        bookkeeping.split_for_audit(classification, train)
-    assert not bookkeeping.audit_requested(recipe().audit)
+        audit_split.split_for_audit(classification, train)
+    assert not audit_split.audit_requested(recipe().audit)

@@ -117,7 +117,7 @@ def test_cli_mia_loss_shadow_lira_and_canary(audited_run, tmp_path, capsys):
         assert 0 <= canary["exposure_sampled"] <= math.log2(100)
 
 
-def test_mia_refuses_runs_without_bookkeeping(tmp_path, shared_data, capsys):
+def test_mia_refuses_runs_without_an_audit_split(tmp_path, shared_data, capsys):
     overrides = [o for o in AUDITED if not o.startswith("audit.")] + [f"data.path={shared_data}/e2e_nlg",
                                                                        "train.max_steps=1"]
     run_finetune(config.load_recipe(None, overrides), out=tmp_path / "plain")

@@ -113,7 +113,7 @@ def _recipe_row(name: str, recipe: Any, target_epsilon: float, delta: float | No
 
 def _trained_size(recipe: Any, split_size: int) -> int:
     """n the run trains on: the training split less what an ``audit`` section holds out, plus its canaries."""
-    from dptext.attacks.bookkeeping import audit_requested, trained_size
+    from dptext.data.audit_split import audit_requested, trained_size
 
     return trained_size(recipe.audit, split_size) if audit_requested(recipe.audit) else split_size
 

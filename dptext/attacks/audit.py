@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from dptext.attacks.bookkeeping import mia_folder, read_records
+from dptext.accounting.events import resolve_delta
+from dptext.attacks.attack_models import lira_offline, loss_attack, shadow_attack
+from dptext.attacks.audit_records import mia_folder, read_records
+from dptext.attacks.metrics import attack_summary
+from dptext.attacks.references import train_references
+from dptext.attacks.scoring import record_scores
+from dptext.attacks.target import load_trained_run
 from dptext.errors import UserError
-from dptext.runs import RunDir
+from dptext.output import Output
+from dptext.runs import RunDir, atomic_write_json, write_manifest
 
 ATTACKS = ("loss", "shadow", "lira")
 REPORT = "report.json"
@@ -37,8 +44,6 @@ def audited_points(run_path: Path, max_examples: int | None, seed: int) -> tuple
 def proven_privacy(target: Any) -> dict[str, Any]:
     privacy = target.result["privacy"]
     if not privacy["private"]:
-        from dptext.accounting.events import resolve_delta
-
         return {"private": False, "epsilon": None, "delta": resolve_delta(None, privacy["dataset_size"])[0]}
     method = privacy["accountant"] if privacy["epsilon"][privacy["accountant"]]["epsilon"] is not None else "rdp"
     return {"private": True, "epsilon": privacy["epsilon"][method]["epsilon"], "accountant": method,
@@ -46,20 +51,16 @@ def proven_privacy(target: Any) -> dict[str, Any]:
 
 
 def _score(task: Any, model: Any, rows: list, batch_size: int, output: Any, what: str) -> dict[str, np.ndarray]:
-    from dptext.attacks.scoring import record_scores
-
     with output.progress(len(rows), what) as progress:
         return record_scores(task, model, [row["record"] for row in rows], batch_size, progress.advance)
 
 
-def _reference_scores(target: Any, audited: list, count: int, batch_size: int, output: Any) -> dict[str, Any]:
+def _reference_scores(target: Any, audited: list, count: int, batch_size: int, output: Any,
+                      train: Callable[..., Any]) -> dict[str, Any]:
     """Each reference model's scores on the audited points (all OUT) and on the public pool (half IN)."""
-    from dptext.attacks.references import train_references
-    from dptext.attacks.target import load_trained_run
-
     public = read_records(target.path, "public")
     lira, features, membership = [], [], []
-    for number, reference in enumerate(train_references(target, count, output)):
+    for number, reference in enumerate(train_references(target, count, output, train)):
         model = load_trained_run(reference["path"]).model
         scores = _score(target.task, model, audited + public, batch_size, output, f"scoring reference {number + 1}")
         lira.append(scores["confidence_logit"][: len(audited)])
@@ -71,17 +72,15 @@ def _reference_scores(target: Any, audited: list, count: int, batch_size: int, o
 
 
 def audit_run(run_dir: str | Path, attacks: tuple[str, ...], references: int = 2, max_examples: int | None = None,
-              batch_size: int = 32, output: Any = None, seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
-    from dptext.attacks.attack_models import lira_offline, loss_attack, shadow_attack
-    from dptext.attacks.metrics import attack_summary
-    from dptext.attacks.target import load_trained_run
-    from dptext.output import Output
-    from dptext.runs import atomic_write_json, write_manifest
-
+              batch_size: int = 32, output: Any = None, seed: int = 0, confidence: float = 0.95,
+              train: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """Audit one run; ``train`` (``run_finetune``) trains the reference models the shadow and lira attacks need."""
     output = output or Output(quiet=True)
     unknown = [a for a in attacks if a not in ATTACKS]
     if unknown:
         raise UserError(f"Unknown attack {unknown[0]!r}; choose loss, shadow, lira or all.")
+    if set(attacks) & {"shadow", "lira"} and train is None:
+        raise ValueError("shadow and lira attacks train reference models: pass train=run_finetune")
     target = load_trained_run(run_dir)
     members, nonmembers = audited_points(target.path, max_examples, seed)
     audited = members + nonmembers
@@ -90,7 +89,7 @@ def audit_run(run_dir: str | Path, attacks: tuple[str, ...], references: int = 2
     privacy = proven_privacy(target)
     member_scores: dict[str, np.ndarray] = {"loss": loss_attack(scores["loss"])}
     if "shadow" in attacks or "lira" in attacks:
-        shadows = _reference_scores(target, audited, references, batch_size, output)
+        shadows = _reference_scores(target, audited, references, batch_size, output, train)
         member_scores["shadow"] = shadow_attack(shadows["features"], shadows["membership"], scores["features"])
         member_scores["lira"] = lira_offline(scores["confidence_logit"], shadows["lira"])
     report = {

@@ -16,18 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+
+from dptext.attacks.audit import proven_privacy
+from dptext.attacks.audit_records import mia_folder, read_canaries
+from dptext.attacks.exposure import exposure_from_rank, fitted_exposure, sampled_exposure
+from dptext.attacks.target import load_trained_run
+from dptext.data.canaries import canary_record, sample_candidates
+from dptext.output import Output
+from dptext.runs import atomic_write_json, write_manifest
+from dptext.tasks import build_task
+from dptext.tasks.base import batches
 
 CANARY_REPORT = "canaries.json"
 
 
 def _log_perplexities(target: Any, secrets: list[str], prefix: str, batch_size: int, output: Any,
                       what: str) -> np.ndarray:
-    import torch
-
-    from dptext.attacks.canaries import canary_record
-    from dptext.tasks import build_task
-    from dptext.tasks.base import batches
-
     recipe = target.recipe
     summed = dataclasses.replace(recipe, task=dataclasses.replace(recipe.task, loss_reduction="sum"))
     task = build_task(summed, target.tokenizer, [])
@@ -43,13 +48,6 @@ def _log_perplexities(target: Any, secrets: list[str], prefix: str, batch_size: 
 
 def canary_exposure(run_dir: str | Path, candidates: int = 2000, batch_size: int = 64, output: Any = None,
                     seed: int = 0) -> dict[str, Any]:
-    from dptext.attacks.bookkeeping import mia_folder, read_canaries
-    from dptext.attacks.canaries import sample_candidates
-    from dptext.attacks.exposure import exposure_from_rank, fitted_exposure, sampled_exposure
-    from dptext.attacks.target import load_trained_run
-    from dptext.output import Output
-    from dptext.runs import atomic_write_json, write_manifest
-
     output = output or Output(quiet=True)
     target = load_trained_run(run_dir)
     canaries = read_canaries(target.path)
@@ -80,8 +78,6 @@ def canary_exposure(run_dir: str | Path, candidates: int = 2000, batch_size: int
             group.update({f"{key}_mean": float(np.mean(values)), f"{key}_min": float(np.min(values)),
                           f"{key}_max": float(np.max(values))})
         groups.append(group)
-    from dptext.attacks.audit import proven_privacy
-
     report = {"run_dir": str(target.path), "recipe": target.recipe.name, "privacy": proven_privacy(target),
               "space_size": space, "log2_space_size": math.log2(space), "candidates": len(pool),
               "exhaustive": exhaustive, "resolution_bits": math.log2(len(pool)), "prefix": prefix,

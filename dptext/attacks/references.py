@@ -3,8 +3,9 @@
 Both the shadow-model attack (Shokri et al.) and offline LiRA (Carlini et al. 2022) need models trained
 exactly like the target but on data that excludes the audited points. The target run set those points apart
 (``audit.public_examples``: records of the same source that neither the target nor its non-members use, so
-"public" by construction), and reference i trains on a seeded random half of them through ``run_finetune``
-with ``audit.train_indices`` naming that half. Both attacks share the same references: shadow model i's
+"public" by construction), and reference i trains on a seeded random half of them through the training entry
+point the caller passes in (``dptext mia`` passes ``run_finetune``; attacks sit below the training runs and never
+call them themselves) with ``audit.train_indices`` naming that half. Both attacks share the same references: shadow model i's
 members are its half, its non-members the other half of the pool. They live in
 ``RUN_DIR/mia_not_private/references/ref-NN/`` (complete run directories) and are reused by later audits.
 """
@@ -14,10 +15,12 @@ from __future__ import annotations
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from dptext.attacks.bookkeeping import mia_folder, read_records
+from dptext.attacks.audit_records import mia_folder, read_records
+from dptext.config import Recipe, from_dict, to_dict
 from dptext.errors import UserError
+from dptext.runs import RunDir
 
 REFERENCES = "references"
 
@@ -29,8 +32,6 @@ def reference_recipe(recipe: Any, indices: list[int], number: int, sample_rate: 
     (batch size q·n_ref; Li et al. App. L transfer q and steps, not batch size and epochs): the same
     optimisation, and for a private target the same noise multiplier up to δ = 1/(2n).
     """
-    from dptext.config import Recipe, from_dict, to_dict
-
     data = to_dict(recipe)
     data["name"] = f"{recipe.name}-ref{number:02d}"
     data["train"]["batch_size"] = max(1, round(sample_rate * len(indices)))
@@ -55,11 +56,11 @@ def reference_halves(public_indices: list[int], count: int, seed: int) -> list[l
     return halves
 
 
-def train_references(target: Any, count: int, output: Any) -> list[dict[str, Any]]:
-    """Train (or reuse) ``count`` reference models of the run ``target``; returns [{path, members}] per model."""
-    from dptext.finetune import run_finetune
-    from dptext.runs import RunDir
+def train_references(target: Any, count: int, output: Any, train: Callable[..., Any]) -> list[dict[str, Any]]:
+    """Train (or reuse) ``count`` reference models of the run ``target``; returns [{path, members}] per model.
 
+    ``train`` is ``run_finetune`` (its ``recipe``/``out``/``resume``/``output`` keywords), passed in by the caller.
+    """
     if count < 1:
         raise UserError("Shadow and LiRA attacks need at least one reference model; pass --references 1 or more.")
     public = [row["index"] for row in read_records(target.path, "public")]
@@ -70,12 +71,12 @@ def train_references(target: Any, count: int, output: Any) -> list[dict[str, Any
             output.info(f"Training reference model {number + 1} of {count} on {len(half)} public records "
                         f"({path}).")
             if RunDir(path).latest_checkpoint() is not None:
-                run_finetune(resume=path, output=output)
+                train(resume=path, output=output)
             else:  # nothing worth keeping from an attempt that stopped before its first checkpoint
                 shutil.rmtree(path, ignore_errors=True)
                 privacy = target.result["privacy"]
                 recipe = reference_recipe(target.recipe, half, number, privacy["sample_rate"], privacy["steps"])
-                run_finetune(recipe, out=path, output=output)
+                train(recipe, out=path, output=output)
         recorded = RunDir.open(path).recipe().audit.train_indices
         if sorted(recorded) != half:
             raise UserError(f"{path} was trained on other records than this audit expects; delete it to retrain.")

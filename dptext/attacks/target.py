@@ -6,7 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dptext.attacks.audit_records import read_records
 from dptext.errors import UserError
+from dptext.models import load_model, load_tokenizer
+from dptext.runs import MODEL_DIR, RunDir
+from dptext.tasks import build_task
+from dptext.tasks.pooling import MeanPoolingClassifier
 
 
 @dataclass
@@ -21,14 +26,10 @@ class TrainedRun:
 
 def load_model_dir(recipe: Any, task: Any, model_dir: Path) -> Any:
     """The model ``dptext finetune`` saved in ``model_dir`` (mean-pooling heads and LoRA adapters included)."""
-    from dptext.models import load_model
-
     if task.head == "sequence_classification" and recipe.task.pooling == "mean":
-        from dptext.tasks.pooling import MeanPoolingClassifier
-
         return MeanPoolingClassifier.from_pretrained(model_dir)
     if recipe.model.adaptation == "lora":  # the folder holds the adapters; the base model is the recipe's
-        from peft import PeftModel
+        from peft import PeftModel  # optional dependency: only LoRA runs need peft
 
         return PeftModel.from_pretrained(task.load_model(), str(model_dir)).eval()
     model, _ = load_model(str(model_dir), head=task.head, num_labels=task.num_labels)
@@ -36,12 +37,6 @@ def load_model_dir(recipe: Any, task: Any, model_dir: Path) -> Any:
 
 
 def load_trained_run(run_dir: str | Path, device: str = "cpu") -> TrainedRun:
-    from dptext.attacks.bookkeeping import read_records
-    from dptext.finetune.run import MODEL_DIR
-    from dptext.models import load_tokenizer
-    from dptext.runs import RunDir
-    from dptext.tasks import build_task
-
     run = RunDir.open(run_dir)
     result = run.load_result()
     model_dir = run.path / MODEL_DIR

@@ -40,12 +40,14 @@ def mia(
     if run_dirs and run_dirs[0] == "canary" and not Path("canary").is_dir():
         return _canary(out, run_dirs[1:], candidates, batch_size)
     from dptext.attacks.audit import ATTACKS, run_mia
-    from dptext.attacks.bookkeeping import mia_folder
+    from dptext.attacks.audit_records import mia_folder
     from dptext.attacks.plot import plot_roc, run_label
+    from dptext.finetune import run_finetune
 
     chosen = ATTACKS if "all" in attack else tuple(dict.fromkeys(attack))
+    # reference models are trained by the training entry point, handed down: attacks never import finetune
     reports = run_mia(run_dirs, chosen, references=references, max_examples=max_examples, batch_size=batch_size,
-                      output=out)
+                      output=out, train=run_finetune)
     target = plot or mia_folder(reports[0]["run_dir"]) / "roc.png"
     plot_roc(reports, target)
     rows = []

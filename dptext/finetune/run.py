@@ -21,9 +21,7 @@ from typing import Any
 from dptext.errors import UserError
 from dptext.finetune import selection as model_selection
 from dptext.finetune.validate import validate_run
-from dptext.runs import RunDir, atomic_directory
-
-MODEL_DIR = "model"
+from dptext.runs import MODEL_DIR, RunDir, atomic_directory
 
 
 def _evaluator(training: Any, output: Any):
@@ -123,7 +121,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         raise
     training.selection = model_selection.make_selection(recipe, training.task, dist.active)
     if training.audit is not None and dist.is_writer:  # who is (not) a member, for `dptext mia`; same seed on resume, same split
-        from dptext.attacks.bookkeeping import write_audit
+        from dptext.data.audit_split import write_audit
 
         write_audit(run.path, training.audit, trained_on=len(training.examples))
     evaluate = _evaluator(training, output)

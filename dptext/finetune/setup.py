@@ -39,7 +39,7 @@ class Training:
     physical_batch_size: int = CPU_PHYSICAL_BATCH
     autocast_dtype: Any = None
     info: dict = field(default_factory=dict)
-    audit: Any = None  # dptext.attacks.bookkeeping.AuditSplit when the recipe's audit section asks for one
+    audit: Any = None  # dptext.data.audit_split.AuditSplit when the recipe's audit section asks for one
     dist: Any = None  # dptext.privacy.distributed.DistributedContext (world size 1 unless launched by torchrun)
     selection: Any = None  # dptext.finetune.selection.Selection when the recipe selects on validation
 
@@ -152,7 +152,7 @@ def build_training(recipe: Any) -> Training:
     from dptext.accounting import PrivacyLedger, plan_for_recipe
     from dptext.accounting.calibrate import check_training_accountant
     from dptext.adaptation import apply_adaptation, trainable_summary
-    from dptext.attacks.bookkeeping import audit_requested, split_for_audit
+    from dptext.data.audit_split import audit_requested, split_for_audit
     from dptext.models import load_tokenizer
     from dptext.privacy import PrivacyEngine
     from dptext.privacy.distributed import current

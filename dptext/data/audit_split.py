@@ -1,4 +1,4 @@
-"""Member / non-member bookkeeping: what ``finetune`` sets aside and writes for ``dptext mia`` (SPEC §7).
+"""The audit split: the members / non-members / public pool and canaries chosen before training (SPEC §7).
 
 Before training, ``split_for_audit`` permutes the training split with ``audit.seed`` and cuts it into
 non-members (``holdout_fraction`` / ``holdout_examples``), a public pool (``public_examples``, for shadow and
@@ -17,7 +17,7 @@ The run directory then holds, written atomically::
 These files contain the training records themselves (every column, also those the task ignores), so the
 folder's name, its README and the run's ``release.json`` mark it not covered by ε; ``dptext mia`` writes its
 reports and reference runs to ``mia_not_private/`` for the same reason. Model exports (``model/``) never
-include either.
+include either. ``dptext.attacks.audit_records`` reads these files back; attacks never write them.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dptext.data.canaries import canary_record, make_canaries
 from dptext.errors import UserError
-from dptext.runs import read_lines
+from dptext.runs import atomic_directory
 
 AUDIT_DIR = "audit_not_private"
-MIA_DIR = "mia_not_private"
 README = "README.md"
 NOT_PRIVATE_README = """# {title}: NOT covered by differential privacy
 
@@ -41,12 +41,9 @@ NOT_PRIVATE_README = """# {title}: NOT covered by differential privacy
 Nothing in this folder is protected by the run's (ε, δ): keep it with the private data and never publish or
 ship it. The trained model is in `../model/`; `../release.json` lists what ε covers.
 """
-AUDIT_README = NOT_PRIVATE_README.format(title="Audit bookkeeping", body=(
+AUDIT_README = NOT_PRIVATE_README.format(title="Audit split", body=(
     "These files hold copies of the training records themselves (members, held-out non-members, the public pool, "
     "every column of each record, also those the task ignores) and the canaries' secrets, for `dptext mia`."))
-MIA_README = NOT_PRIVATE_README.format(title="Membership-inference results", body=(
-    "Attack reports score individual training records; `references/` holds runs trained on subsets of the audit "
-    "pool; canary reports contain the planted secrets."))
 FILES = {"members": "members.jsonl", "nonmembers": "nonmembers.jsonl", "public": "public.jsonl"}
 CANARIES = "canaries.json"
 SPLIT = "split.json"
@@ -61,8 +58,6 @@ class AuditSplit:
     seed: int = 0
 
     def training_records(self, task_type: str, control_codes: list) -> list[dict[str, Any]]:
-        from dptext.attacks.canaries import canary_record
-
         records = [record for _, record in self.members]
         for canary in (self.canaries or {}).get("canaries", []):
             record = canary_record(task_type, self.canaries["prefix"], canary["secret"], control_codes)
@@ -109,8 +104,6 @@ def split_for_audit(recipe: Any, train: list[dict[str, Any]]) -> AuditSplit:
                        public=[(i, train[i]) for i in sorted(order[held:cut])],
                        members=[(i, train[i]) for i in sorted(order[cut:])], seed=audit.seed)
     if audit.canaries:
-        from dptext.attacks.canaries import canary_record, make_canaries
-
         canary_record(recipe.task.type, "", "")  # refuses classification before anything is drawn
         split.canaries = make_canaries(audit)
     return split
@@ -122,8 +115,6 @@ def _jsonl(rows: list) -> str:
 
 def write_audit(run_path: str | Path, split: AuditSplit, trained_on: int) -> Path:
     """Write the audit folder in one atomic rename (a reader sees all of it or none)."""
-    from dptext.runs import atomic_directory
-
     target = Path(run_path) / AUDIT_DIR
     with atomic_directory(target) as staging:
         (staging / README).write_text(AUDIT_README, encoding="utf-8")
@@ -136,29 +127,3 @@ def write_audit(run_path: str | Path, split: AuditSplit, trained_on: int) -> Pat
                                      encoding="utf-8")
     return target
 
-
-def mia_folder(run_path: str | Path) -> Path:
-    """``RUN_DIR/mia_not_private/`` with its README: where attack reports and reference runs go."""
-    from dptext.runs import atomic_write_text
-
-    folder = Path(run_path) / MIA_DIR
-    if not (folder / README).is_file():
-        atomic_write_text(folder / README, MIA_README)
-    return folder
-
-
-def read_records(run_path: str | Path, name: str) -> list[dict[str, Any]]:
-    """``members``, ``nonmembers`` or ``public`` rows ({"index", "record"}) of a run's audit folder."""
-    path = Path(run_path) / AUDIT_DIR / FILES[name]
-    if not path.is_file():
-        raise UserError(f"'{run_path}' has no {AUDIT_DIR}/{FILES[name]}; fine-tune with an audit section "
-                        "(e.g. audit.holdout_fraction=0.2) to audit a run.")
-    return [json.loads(line) for line in read_lines(path)]
-
-
-def read_canaries(run_path: str | Path) -> dict[str, Any]:
-    path = Path(run_path) / AUDIT_DIR / CANARIES
-    if not path.is_file():
-        raise UserError(f"'{run_path}' has no canaries; fine-tune with audit.canaries=K (a language-model task) "
-                        "to measure exposure.")
-    return json.loads(path.read_text(encoding="utf-8"))
