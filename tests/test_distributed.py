@@ -118,7 +118,7 @@ def edp_noise_steps(ctx=None):
 
 def worker(out: Path) -> None:
     """One rank of the 2-process checks (this file run as a script with torchrun's environment)."""
-    from dptext.privacy.distributed import current, release
+    from dptext.finetune.distributed import current, release
 
     ctx = current("cpu")
     mine = ctx.shard(N)

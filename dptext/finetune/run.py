@@ -7,7 +7,7 @@ trains, checkpoints and ledger.json, the trained model in ``model/``, finally re
 complete checkpoint with the same recipe, the same samples, the same noise and the same privacy
 account.
 
-Under ``torchrun`` (see ``dptext.privacy.distributed``) every rank calls this; rank 0 alone writes the run
+Under ``torchrun`` (see ``dptext.finetune.distributed``) every rank calls this; rank 0 alone writes the run
 directory, evaluates and returns the result, the others return ``{"follower": True, "rank": r, "run_dir": ...}``.
 """
 
@@ -86,7 +86,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     from dptext.finetune.loop import restore, run_loop
     from dptext.finetune.setup import build_training
     from dptext.output import Output
-    from dptext.privacy.distributed import FollowerRun, current, release, silent_output
+    from dptext.finetune.distributed import FollowerRun, current, release, silent_output
 
     output = output or Output(quiet=True)
     if resume is not None:

@@ -40,7 +40,7 @@ class Training:
     autocast_dtype: Any = None
     info: dict = field(default_factory=dict)
     audit: Any = None  # dptext.data.audit_split.AuditSplit when the recipe's audit section asks for one
-    dist: Any = None  # dptext.privacy.distributed.DistributedContext (world size 1 unless launched by torchrun)
+    dist: Any = None  # dptext.finetune.distributed.ProcessGroup (world size 1 unless launched by torchrun)
     selection: Any = None  # dptext.finetune.selection.Selection when the recipe selects on validation
 
     @property
@@ -155,7 +155,7 @@ def build_training(recipe: Any) -> Training:
     from dptext.data.audit_split import audit_requested, split_for_audit
     from dptext.models import load_tokenizer
     from dptext.privacy import PrivacyEngine
-    from dptext.privacy.distributed import current
+    from dptext.finetune.distributed import current
     from dptext.privacy.sampler import make_sampler
     from dptext.tasks import build_task
 
