@@ -5,7 +5,7 @@ word embedding, then two bi-LSTM layers. ``model.name: clc`` (the paper's sizes)
 Vocabularies are public and fixed, never built from the training split (a vocabulary read off the private
 records would ship every word they contain with the model): the words are the whole-word entries of the
 pretrained minilm-l6 (BERT uncased) WordPiece vocabulary, the characters printable ASCII
-(``WordTokenizer.public``); anything else is <unk>. The paper initialises the word embeddings from pretrained
+(``dptext.models.word_tokenizer``); anything else is <unk>. The paper initialises the word embeddings from pretrained
 FastText vectors (whose vocabulary is public too); those are not available offline, so here they start random
 (a stated difference).
 
@@ -19,25 +19,17 @@ product, registered below), in every clipping mode.
 from __future__ import annotations
 
 import json
-import re
-import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers.modeling_outputs import BaseModelOutput
 
-from dptext.models import load_tokenizer
+from dptext.models.word_tokenizer import PAD, WordTokenizer
 from dptext.privacy.norms import register_rule
 from dptext.privacy.norms.functional import FunctionalRule
-
-PAD, UNK = 0, 1
-VOCAB_FILE = "clc_vocabulary.json"
-MAX_WORD_CHARS = 20  # longer words keep their first 20 characters
-WHOLE_WORD = re.compile(r"[a-z0-9][a-z0-9'\-]*")
-_PUBLIC: tuple[list[str], list[str]] | None = None
 
 
 @dataclass
@@ -60,35 +52,6 @@ SIZES = {  # the paper: two bi-LSTM layers of 384; FastText's 300-d words; Ma & 
     "clc": dict(word_dim=300, char_dim=30, char_filters=30, char_window=3, hidden=384, layers=2),
     "tiny-clc": dict(word_dim=16, char_dim=8, char_filters=8, char_window=3, hidden=12, layers=2),
 }
-
-
-class WordTokenizer:
-    """Word and character ids from a public vocabulary (0 = padding, 1 = unknown)."""
-
-    pad_token_id = PAD
-
-    def __init__(self, words: Sequence[str] = (), chars: Sequence[str] = ()):
-        self.words = {w: i for i, w in enumerate(["<pad>", "<unk>", *words])}
-        self.chars = {c: i for i, c in enumerate(["<pad>", "<unk>", *chars])}
-
-    @classmethod
-    def public(cls) -> "WordTokenizer":
-        """The fixed public vocabulary: minilm-l6's whole words (no ## pieces, no [special] tokens) and the
-        printable ASCII characters. Loaded once per process: every clc run sees the same ids."""
-        global _PUBLIC
-        if _PUBLIC is None:
-            pieces = load_tokenizer("minilm-l6").get_vocab()
-            words = sorted(w for w in pieces if WHOLE_WORD.fullmatch(w))
-            _PUBLIC = (words, sorted(set(string.printable) - set(string.whitespace)))
-        return cls(*_PUBLIC)
-
-    def encode_words(self, tokens: Sequence[str]) -> tuple[list[int], list[list[int]]]:
-        words = [self.words.get(t.lower(), UNK) for t in tokens]
-        chars = [[self.chars.get(c, UNK) for c in t[:MAX_WORD_CHARS]] for t in tokens]
-        return words, chars
-
-    def save_pretrained(self, path: str | Path) -> None:
-        (Path(path) / VOCAB_FILE).write_text(json.dumps({"words": list(self.words), "chars": list(self.chars)}))
 
 
 class BiLSTM(nn.Module):
