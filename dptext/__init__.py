@@ -1,16 +1,8 @@
 """dptext: differentially private language models.
 
-Heavy dependencies (torch, transformers) are imported lazily by the modules that need
-them, so ``import dptext`` and ``dptext --help`` stay fast.
+The package root is light: ``import dptext`` loads nothing else, so ``dptext --help`` stays fast (the CLI
+imports each command's library module when the command runs). The layers and what each package owns:
+docs/ARCHITECTURE.md; the privacy engine is ``dptext.privacy.PrivacyEngine``.
 """
 
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    # ``dptext.PrivacyEngine`` without importing torch at ``import dptext`` time.
-    if name == "PrivacyEngine":
-        from dptext.privacy.engine import PrivacyEngine
-
-        return PrivacyEngine
-    raise AttributeError(f"module 'dptext' has no attribute {name!r}")

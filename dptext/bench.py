@@ -25,6 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptext.models import load_model
+from dptext.privacy import PrivacyEngine, per_example_loss
+from dptext.runs import atomic_write
+
 OURS = ("per_sample", "ghost", "bookkeeping")
 MODES = ("nonprivate",) + OURS + ("opacus", "opacus_untied")
 MAX_BATCH_CAP = 8192
@@ -51,8 +55,6 @@ def _batch(vocab_size: int, batch_size: int, seq_len: int, device):
 def _make_step(mode: str, model, batch_size: int):
     """(step(ids, mask), close()) for one training mode on ``model``."""
     import torch
-
-    from dptext.privacy import PrivacyEngine, per_example_loss
 
     if mode == "nonprivate":
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
@@ -158,8 +160,6 @@ def _max_batch(mode: str, model, spec: dict, device) -> int:
 def measure(spec: dict) -> dict:
     """One mode, in this process: model, warm-up, timed steps, peak memory, (GPU) largest batch."""
     import torch
-
-    from dptext.models import load_model
 
     torch.manual_seed(0)
     device = torch.device(spec["device"])
@@ -294,8 +294,6 @@ def write_chart(report: dict, path: Path) -> None:
     setup = report["setup"]
     figure.suptitle(f"{setup['model']}, T={setup['seq_len']}, batch {setup['batch_size']}, {setup['device']}")
     figure.tight_layout()
-    from dptext.runs import atomic_write
-
     atomic_write(path, lambda handle: figure.savefig(handle, format="png", dpi=120), binary=True)
     plt.close(figure)
 

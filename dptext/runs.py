@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dptext import release
+from dptext.config import dump_recipe, load_recipe
 from dptext.errors import UserError
+from dptext.output import _jsonable
 
 RESOLVED = "resolved.yaml"
 PROVENANCE = "provenance.json"
@@ -110,8 +112,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_write_json(path: str | Path, data: Any) -> None:
-    from dptext.output import _jsonable
-
     atomic_write_text(path, json.dumps(_jsonable(data), indent=2) + "\n")
 
 
@@ -222,8 +222,6 @@ class RunDir:
         Without ``out`` it is ``<root>/<recipe.name>-<timestamp>``; root defaults to
         ``$DPTEXT_RUNS_ROOT`` or ``runs``.
         """
-        from dptext.config import dump_recipe
-
         root = root or os.environ.get("DPTEXT_RUNS_ROOT", "runs")
 
         if out is None:
@@ -269,15 +267,11 @@ class RunDir:
             self.path.mkdir(parents=True, exist_ok=True)
 
     def recipe(self) -> Any:
-        from dptext.config import load_recipe
-
         return load_recipe(self.path / RESOLVED)
 
     # ------------------------------------------------------------------ metrics
     def log_metrics(self, record: dict[str, Any], name: str = METRICS) -> None:
         """Append one JSON line to ``name``; flushed and fsynced so a crash loses at most this line."""
-        from dptext.output import _jsonable
-
         release.check_registered(self.path / name)
         with open(self.path / name, "a") as handle:
             handle.write(json.dumps(_jsonable(record)) + "\n")

@@ -20,8 +20,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from dptext.accounting.events import (check_delta, check_epsilon, check_sample_rate, check_steps,
-                                      steps_per_epoch_for)
+from dptext.accounting.epsilon import GUARANTEED_METHODS, check_methods, compute_epsilon
+from dptext.accounting.events import check_delta, check_epsilon, check_sample_rate, check_steps, steps_per_epoch_for
+from dptext.accounting.gdp import gdp_epsilon_from_mu
 from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.errors import UserError
 
@@ -42,8 +43,6 @@ class Calibration:
 
 def check_training_accountant(method: str) -> str:
     """The accountant that calibrates and reports a training run must give guarantees (RDP, PRV upper, PLD)."""
-    from dptext.accounting.epsilon import GUARANTEED_METHODS
-
     if method not in GUARANTEED_METHODS:
         raise UserError(f"privacy.accountant={method} is an approximation (the CLT), not a bound, so it cannot "
                         f"calibrate or report a private run; use one of {', '.join(GUARANTEED_METHODS)} "
@@ -57,8 +56,6 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
                                conversion: str = "improved", prv_bound: Literal["upper", "estimate"] = "upper",
                                prv_eps_error: float | None = None) -> Calibration:
     """σ₀ such that ``steps`` steps at rate ``sample_rate`` under ``schedule`` spend at most ``target_epsilon``."""
-    from dptext.accounting.epsilon import check_methods
-
     method = check_methods([method])[0]
     target = check_epsilon(target_epsilon)
     delta = check_delta(delta)
@@ -84,8 +81,6 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
 
 
 def _calibrated_epsilon(method, runs, delta, conversion, prv_bound, prv_eps_error, problems) -> float:
-    from dptext.accounting.epsilon import compute_epsilon
-
     result = compute_epsilon(method, runs, delta, conversion, prv_eps_error)
     value = result.upper if (method == "prv" and prv_bound == "upper") else result.epsilon
     if value is None:  # the PRV accountant could not answer: treat as unsafe, remember why
@@ -100,8 +95,6 @@ def _first_guess(target, delta, sample_rate, steps, method, schedule, steps_per_
         rdp_sigma = calibrate_noise_multiplier(target, delta, sample_rate, steps, "rdp", schedule, steps_per_epoch,
                                                rel_tol=1e-3, conversion=conversion).noise_multiplier
         return 0.97 * rdp_sigma
-    from dptext.accounting.gdp import gdp_epsilon_from_mu
-
     # The largest μ with ε(μ) ≤ target, searched as the smallest 1/μ (ε falls as 1/μ grows).
     try:
         mu = 1.0 / smallest_safe_sigma(lambda x: gdp_epsilon_from_mu(1.0 / x, delta) - target, 1.0, 1e-3, what="")

@@ -13,6 +13,10 @@ import numpy as np
 
 from dptext.accounting.epsilon import check_methods
 from dptext.accounting.events import StepRun, check_delta, total_steps
+from dptext.accounting.gdp import gdp_epsilon
+from dptext.accounting.pld import pld_epsilon
+from dptext.accounting.prv import DEFAULT_EPS_ERROR, PrvCurve, PrvOutOfRange
+from dptext.accounting.rdp import rdp_epsilon
 
 
 def prefix_runs(runs: Sequence[StepRun], steps: int) -> list[StepRun]:
@@ -35,11 +39,6 @@ def curve_steps(total: int, points: int = 40) -> list[int]:
 def epsilon_curves(runs: Sequence[StepRun], delta: float, methods: Sequence[str] | None = None,
                    points: int = 40, prv_eps_error: float | None = None) -> dict[str, dict[str, list]]:
     """{method: {"steps": [...], "epsilon": [...], "lower": [...], "upper": [...]}}; None where not computed."""
-    from dptext.accounting.gdp import gdp_epsilon
-    from dptext.accounting.pld import pld_epsilon
-    from dptext.accounting.prv import DEFAULT_EPS_ERROR, PrvCurve, PrvOutOfRange
-    from dptext.accounting.rdp import rdp_epsilon
-
     delta = check_delta(delta)
     runs = list(runs)
     steps = curve_steps(total_steps(runs), points) if total_steps(runs) else []

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from dptext.accounting.events import StepRun, check_delta
+from dptext.accounting.gdp import gdp_epsilon
+from dptext.accounting.pld import DISCRETIZATION, pld_epsilon
+from dptext.accounting.prv import DEFAULT_EPS_ERROR, PrvOutOfRange, prv_epsilon
+from dptext.accounting.rdp import rdp_epsilon
 from dptext.errors import UserError
 
 METHODS = ("rdp", "prv", "pld", "gdp")
@@ -66,26 +70,18 @@ def compute_epsilon(method: str, runs: Iterable[StepRun], delta: float, conversi
     delta = check_delta(delta)
     runs = list(runs)
     if method == "rdp":
-        from dptext.accounting.rdp import rdp_epsilon
-
         if conversion not in ("improved", "classical"):
             raise UserError(f"Unknown RDP conversion '{conversion}'; use improved or classical.")
         eps, order = rdp_epsilon(runs, delta, conversion=conversion)  # type: ignore[arg-type]
         return EpsilonResult("rdp", eps, note=f"{METHOD_NOTES['rdp']} ({conversion} conversion, order {order:g})",
                              detail={"order": order, "conversion": conversion})
     if method == "pld":
-        from dptext.accounting.pld import DISCRETIZATION, pld_epsilon
-
         return EpsilonResult("pld", pld_epsilon(runs, delta), note=METHOD_NOTES["pld"],
                              detail={"discretization": DISCRETIZATION})
     if method == "gdp":
-        from dptext.accounting.gdp import gdp_epsilon
-
         eps, mu = gdp_epsilon(runs, delta)
         return EpsilonResult("gdp", eps, approximate=True, note=f"{METHOD_NOTES['gdp']} (μ={mu:.4g})",
                              detail={"mu": mu})
-    from dptext.accounting.prv import DEFAULT_EPS_ERROR, PrvOutOfRange, prv_epsilon
-
     eps_error = DEFAULT_EPS_ERROR if prv_eps_error is None else prv_eps_error
     try:
         result = prv_epsilon(runs, delta, eps_error=eps_error)

@@ -14,9 +14,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dptext.accounting.calibrate import calibrate_noise_multiplier
+from dptext.accounting.events import (
+    check_sample_rate,
+    check_steps,
+    resolve_delta,
+    sample_rate_for,
+    steps_for_epochs,
+    steps_per_epoch_for,
+)
 from dptext.accounting.schedule import CONSTANT, NoiseSchedule
-from dptext.accounting.events import (check_sample_rate, check_steps, resolve_delta, sample_rate_for,
-                                      steps_for_epochs, steps_per_epoch_for)
+from dptext.config import load_recipe
+from dptext.data import train_size as split_train_size
+from dptext.data.audit_split import audit_requested, trained_size
 from dptext.errors import UserError
 
 
@@ -73,14 +82,11 @@ def recipe_sigmas(target_epsilon: float, directory: Path | None = None, delta: f
     determined (e.g. no local data and no published size) gets a row with the reason
     instead of stopping the whole listing.
     """
-    from dptext.config import load_recipe
-
     directory = Path(directory) if directory else shipped_recipes_dir()
     paths = sorted(directory.glob("*.yaml")) + sorted(directory.glob("*.yml"))
     if not paths:
         raise UserError(f"No recipes (*.yaml) found in '{directory}'; pass --recipes DIR with your recipe files.")
-    if train_size is None:
-        from dptext.data import train_size
+    train_size = train_size or split_train_size  # tests pass their own; the data's size otherwise
     return [_recipe_row(path.stem, load_recipe(path), target_epsilon, delta, train_size) for path in paths]
 
 
@@ -113,8 +119,6 @@ def _recipe_row(name: str, recipe: Any, target_epsilon: float, delta: float | No
 
 def _trained_size(recipe: Any, split_size: int) -> int:
     """n the run trains on: the training split less what an ``audit`` section holds out, plus its canaries."""
-    from dptext.data.audit_split import audit_requested, trained_size
-
     return trained_size(recipe.audit, split_size) if audit_requested(recipe.audit) else split_size
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from dptext.accounting.events import StepRun, check_delta, group_runs
+from dptext.accounting.rdp import rdp_epsilon
 
 DEFAULT_EPS_ERROR = 0.05
 MAX_NOISE_LEVELS = 32
@@ -72,8 +73,6 @@ class PrvCurve:
         import warnings
 
         from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
-
-        from dptext.accounting.rdp import rdp_epsilon
 
         self.delta = check_delta(delta)
         self.eps_error = eps_error
@@ -137,8 +136,6 @@ def safe_domain_size(levels: Sequence[tuple[float, float, int]], eps_error: floa
     run time; any valid upper bound on ε at these δs is allowed there, and our RDP gives
     one (it is also tighter for fractional orders), so we pass L in as ``eps_max``.
     """
-    from dptext.accounting.rdp import rdp_epsilon
-
     total = sum(n for _, _, n in levels)
     bound, _ = rdp_epsilon([StepRun(q, sigma, n) for q, sigma, n in levels], delta_error / 4)
     for q, sigma, _ in levels:

@@ -18,6 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from dptext.tasks.base import batches
+
 QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
@@ -64,8 +66,6 @@ def record_scores(task: Any, model: Any, records: Sequence[dict[str, Any]], batc
                   on_progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
     """{"loss", "confidence_logit", "features"} arrays for ``records`` (in order)."""
     import torch
-
-    from dptext.tasks.base import batches
 
     device = next(model.parameters()).device
     outputs = _classifier_outputs if hasattr(task, "logits") else _language_model_outputs

@@ -20,6 +20,7 @@ import time
 import torch
 
 from dptext.decoding.generation import dp_generate
+from dptext.decoding.loading import load_for_decoding
 from dptext.decoding.processor import DPSamplingLogitsProcessor
 from dptext.decoding.public_support import output_vocab_size
 from dptext.decoding.sampling_rules import PLAIN_SAMPLING_SETTINGS
@@ -72,8 +73,6 @@ def benchmark_overhead(model, tokenizer, new_tokens: int = 64, repeats: int = 7,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from dptext.decoding.loading import load_for_decoding
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--new-tokens", type=int, default=64)

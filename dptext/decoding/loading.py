@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from dptext import models
 from dptext.errors import UserError
+from dptext.models import load_model
 
 CAUSAL, MASKED = "causal_lm", "masked_lm"
 
 
 def _config_of(name: str):
-    from dptext import models
-
     if name in models.TINY_MODELS:
         return models.tiny_config(name, len(models.load_tokenizer(name)))
     from transformers import AutoConfig
@@ -48,8 +48,6 @@ def model_kind(name: str) -> str:
 def load_for_decoding(name: str, device: str = "auto"):
     """``(model, tokenizer, kind)`` on ``device`` (``auto``: the GPU when there is one)."""
     import torch
-
-    from dptext.models import load_model
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,19 +7,7 @@ paper's baselines (DP-SGD student, DPKD, synthetic data only, zero-shot) for com
 
 from __future__ import annotations
 
-from typing import Any
-
-
-def synthesize(*args: Any, **kwargs: Any):
-    from dptext.distill.synth import synthesize as _synthesize
-
-    return _synthesize(*args, **kwargs)
-
-
-def run_distill(*args: Any, **kwargs: Any):
-    from dptext.distill.run import run_distill as _run_distill
-
-    return _run_distill(*args, **kwargs)
-
+from dptext.distill.run import run_distill
+from dptext.distill.synth import synthesize
 
 __all__ = ["synthesize", "run_distill"]

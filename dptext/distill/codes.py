@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from dptext.accounting.gdp import gdp_delta
 from dptext.errors import UserError
 from dptext.tasks.label_sets import canonical, check_code_domain
 
@@ -76,8 +77,6 @@ class CodeDistribution:
 def gaussian_sigma(epsilon: float, delta: float) -> float:
     """σ of the Gaussian mechanism with sensitivity 1 that is exactly (ε, δ)-DP (μ = 1/σ GDP)."""
     from scipy.optimize import brentq
-
-    from dptext.accounting.gdp import gdp_delta
 
     if not (epsilon > 0 and 0 < delta < 1):
         raise UserError(f"The Gaussian code histogram needs ε > 0 and 0 < δ < 1 (got ε={epsilon}, δ={delta}); "

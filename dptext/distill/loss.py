@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from dptext.errors import UserError
+from dptext.privacy.losses import per_example_loss
+
 IGNORE_INDEX = -100
 
 
@@ -39,8 +42,6 @@ def kl_per_example(student_logits: Any, teacher_logits: Any, mask: Any, temperat
     import torch.nn.functional as F
 
     if student_logits.shape[-1] != teacher_logits.shape[-1]:
-        from dptext.errors import UserError
-
         raise UserError(f"Teacher and student vocabularies differ ({teacher_logits.shape[-1]} vs "
                         f"{student_logits.shape[-1]} logits); distil into a student with the teacher's tokenizer.")
     log_p_teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
@@ -59,8 +60,6 @@ def distillation_loss(student_logits: Any, labels: Any, attention_mask: Any | No
                       hidden_alpha: float = 0.0, student_hidden: Any | None = None,
                       teacher_hidden: Any | None = None, reduction: str = "mean") -> Any:
     """(B,) per-example DistilDP loss; ``kd_lambda = 0`` is the plain per-example CE (no teacher needed)."""
-    from dptext.privacy.losses import per_example_loss
-
     loss = per_example_loss(student_logits, labels, attention_mask, shift=True, reduction=reduction)
     if kd_lambda == 0 and hidden_alpha == 0:
         return loss

@@ -28,10 +28,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptext.data import load_records
+from dptext.distill.student import build_student
 from dptext.distill.synth import PROVENANCE, teacher_info
+from dptext.distill.task import DistillationTask
 from dptext.errors import UserError
+from dptext.finetune.run import run_finetune
+from dptext.finetune.setup import build_training, pick_device
 from dptext.model_check import check_model_name
+from dptext.models import load_model
+from dptext.output import Output
 from dptext.runs import RunDir, atomic_write_json
+from dptext.tasks.language_modeling import LanguageModelingTask
 
 STUDENT_DIR = "student_init"
 STUDENT_INFO = "student.json"
@@ -110,8 +118,6 @@ def dpkd_budget(recipe: Any, teacher: dict, n: int) -> dict[str, Any]:
 
 def ensure_student(recipe: Any, run: RunDir, teacher: dict | None) -> dict[str, Any]:
     """Build the initial student once per run directory (a resumed run reuses it)."""
-    from dptext.distill.student import build_student
-
     info_path = run.path / STUDENT_INFO
     if info_path.exists() and (run.path / STUDENT_DIR / "config.json").exists():
         return json.loads(info_path.read_text())
@@ -146,11 +152,6 @@ def privacy_claim(recipe: Any, teacher: dict | None, synthetic: dict | None, bud
 
 def build_student_training(recipe: Any, run: RunDir) -> Any:
     """``run_finetune``'s builder for a distillation run."""
-    from dptext.data import load_records
-    from dptext.distill.task import DistillationTask
-    from dptext.finetune.setup import build_training
-    from dptext.models import load_model
-
     check_recipe(recipe)
     d = recipe.distill
     teacher = teacher_info(d.teacher) if d.teacher else None
@@ -187,11 +188,6 @@ def build_student_training(recipe: Any, run: RunDir) -> Any:
 
 def run_zero_shot(recipe: Any, out: str | Path | None, output: Any) -> dict[str, Any]:
     """Score the untrained student on the private test split (the table's ε = 0 row)."""
-    from dptext.data import load_records
-    from dptext.finetune.setup import pick_device
-    from dptext.models import load_model
-    from dptext.tasks.language_modeling import LanguageModelingTask
-
     started = time.monotonic()
     run = RunDir.create(recipe, out)
     d = recipe.distill
@@ -218,9 +214,6 @@ def run_zero_shot(recipe: Any, out: str | Path | None, output: Any) -> dict[str,
 def run_distill(recipe: Any = None, out: str | Path | None = None, resume: str | Path | None = None,
                 output: Any = None) -> dict[str, Any]:
     """Train and score the student of ``recipe.distill`` in its run directory; ``resume`` continues one."""
-    from dptext.finetune.run import run_finetune
-    from dptext.output import Output
-
     output = output or Output(quiet=True)
     if resume is None:
         if recipe is None:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dptext.errors import UserError
+from dptext.models import load_model
+from dptext.runs import atomic_directory
 
 # (attribute path of the decoder layer list, config field holding the layer count)
 LAYER_LISTS = (("transformer.h", "n_layer"), ("model.layers", "num_hidden_layers"))
@@ -76,9 +78,6 @@ def layer_subset(model: Any, layers: Sequence[int]) -> Any:
 def build_student(name: str, layers: Sequence[int] = (), stride: int | None = None,
                   target: str | Path | None = None) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer, description) of the student; saved to ``target`` when given (a local model folder)."""
-    from dptext.models import load_model
-    from dptext.runs import atomic_directory
-
     model, tokenizer = load_model(name, head="causal_lm")
     total = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "n_layer")
     chosen = layer_indices(total, layers, stride)

@@ -34,10 +34,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from dptext.distill.codes import (CodeDistribution, code_distribution, compose_basic, sample_codes,
-                                  total_variation)
+from dptext.data import load_records
+from dptext.distill.codes import CodeDistribution, code_distribution, compose_basic, sample_codes, total_variation
 from dptext.errors import UserError
+from dptext.finetune.setup import pick_device
+from dptext.models import load_model
+from dptext.output import Output
 from dptext.runs import RunDir, atomic_write_json, atomic_write_text, provenance, read_lines, write_manifest
+from dptext.tasks.text_format import control_code
 
 PLAN, SUMMARY, PROVENANCE = "plan.json", "summary.json", "provenance.json"
 TRAINING_COPIES = "training_copies_not_private.json"
@@ -96,8 +100,6 @@ def make_plan(info: dict[str, Any], n: int, settings: dict[str, Any], code_setti
               validation_fraction: float, seed: int) -> dict[str, Any]:
     import numpy as np
 
-    from dptext.data import load_records
-
     recipe = info["recipe"]
     records = load_records(recipe.data, "train")  # exactly the teacher's training set
     distribution = code_distribution(records, recipe.task.control_codes, code_settings["mechanism"],
@@ -129,8 +131,6 @@ def load_or_make_plan(out: Path, make: Any, settings: dict[str, Any], n: int, se
 # --------------------------------------------------------------------------- generation
 
 def code_text(fields: Sequence[str], code: Sequence[Any]) -> str:
-    from dptext.tasks.text_format import control_code
-
     return control_code(dict(zip(fields, code)), fields)
 
 
@@ -245,10 +245,6 @@ def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: 
 
     ``max_chunks`` stops after that many batches (time-boxed runs; call again to continue).
     """
-    from dptext.finetune.setup import pick_device
-    from dptext.models import load_model
-    from dptext.output import Output
-
     output = output or Output(quiet=True)
     if n < 1 or batch_size < 1 or max_new_tokens < 1:
         raise UserError("n, batch size and max new tokens must all be at least 1.")
@@ -278,8 +274,6 @@ def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: 
 
 def finish(out: Path, plan: dict[str, Any], info: dict[str, Any], speed: dict[str, Any],
            check_training_copies: bool) -> dict[str, Any]:
-    from dptext.data import load_records
-
     records = read_chunks(out)
     if [r["index"] for r in records] != list(range(plan["n"])):
         raise UserError(f"{out}/{CHUNKS} does not hold records 0..{plan['n'] - 1} exactly once; delete the folder "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dptext.distill.loss import distillation_loss
+from dptext.errors import UserError
 from dptext.tasks.language_modeling import LanguageModelingTask
 
 
@@ -24,8 +25,6 @@ class DistillationTask(LanguageModelingTask):
 
     def check_hidden_sizes(self, student: Any) -> None:
         """The MSE term compares last hidden states, so their sizes must match (GPT-2 → DistilGPT2: 768 = 768)."""
-        from dptext.errors import UserError
-
         sizes = [getattr(m.config, "hidden_size", None) or getattr(m.config, "n_embd", None)
                  for m in (self.teacher, student)]
         if self.hidden_alpha > 0 and sizes[0] != sizes[1]:

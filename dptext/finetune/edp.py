@@ -10,21 +10,23 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from dptext.accounting import PrivacyLedger, calibrate_noise_multiplier
+from dptext.accounting.plan import noise_schedule_for
+from dptext.data import load_records
 from dptext.errors import UserError
+from dptext.finetune.seeds import privacy_seed, record_ids
+from dptext.privacy.edp import EDPEngine, alphas_from_gradients, sensitivity_factor
+from dptext.tasks.base import batches
 
 PROBE_BATCH = 16
 
 
 def noise_schedule(privacy: Any):
-    from dptext.accounting.plan import noise_schedule_for
-
     return noise_schedule_for(privacy)
 
 
 def accounting_sigma(recipe: Any, plan: Any, factor: int, schedule: Any) -> float:
     """σ_0 the accountant composes (the first epoch's); z_0 = factor·σ_0."""
-    from dptext.accounting import calibrate_noise_multiplier
-
     privacy = recipe.privacy
     if privacy.noise_multiplier is not None:
         return privacy.noise_multiplier / factor
@@ -38,9 +40,6 @@ def accounting_sigma(recipe: Any, plan: Any, factor: int, schedule: Any) -> floa
 
 def mean_gradient_alphas(training: Any, examples: list) -> dict:
     """α from the gradient of the summed loss of ``examples`` at the current (initial) weights."""
-    from dptext.privacy.edp import alphas_from_gradients
-    from dptext.tasks.base import batches
-
     if not examples:
         raise UserError("eDP-SGD's scaling needs at least one example; raise privacy.edp_public_examples.")
     params = [p for p in training.model.parameters() if p.requires_grad]
@@ -65,18 +64,12 @@ def scaling_examples(recipe: Any, training: Any) -> list:
     if not privacy.edp_public_path:
         raise UserError("privacy.edp_scaling=public needs privacy.edp_public_path (public examples in the "
                         "training data's format); or use edp_scaling=uniform.")
-    from dptext.data import load_records
-
     data = replace(recipe.data, path=privacy.edp_public_path, max_train_examples=privacy.edp_public_examples)
     return training.task.encode(load_records(data, "train"))
 
 
 def build_edp(training: Any, dist: Any) -> None:
     """Set ``training``'s noise multiplier (σ_0 as accounted), ledger, eDP engine and sampler."""
-    from dptext.accounting import PrivacyLedger
-    from dptext.finetune.setup import privacy_seed, record_ids
-    from dptext.privacy.edp import EDPEngine, sensitivity_factor
-
     recipe, plan = training.recipe, training.plan
     privacy = recipe.privacy
     if privacy.sampling != "poisson":

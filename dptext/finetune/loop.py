@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from dptext.accounting import PrivacyLedger
 from dptext.errors import RunInterrupted, UserError
 from dptext.finetune.selection import save_best
 from dptext.runs import RunDir, capture_rng_state, restore_rng_state
@@ -97,8 +98,6 @@ def checkpoint_state(training: Any, step: int) -> dict[str, Any]:
 
 def restore(training: Any, state: dict[str, Any]) -> int:
     """Put a freshly built training back where the checkpoint left it; returns the step reached."""
-    from dptext.accounting import PrivacyLedger
-
     training.model.load_state_dict(state["model"])
     training.optimizer.load_state_dict(state["optimizer"])
     training.sampler.generator.set_state(_mine(training, state["sampler"]))

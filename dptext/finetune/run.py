@@ -18,9 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptext.data.audit_split import write_audit
 from dptext.errors import UserError
 from dptext.finetune import selection as model_selection
+from dptext.finetune.distributed import FollowerRun, current, release, silent_output
+from dptext.finetune.loop import restore, run_loop
+from dptext.finetune.setup import build_training
 from dptext.finetune.validate import validate_run
+from dptext.output import Output
 from dptext.runs import MODEL_DIR, RunDir, atomic_directory
 
 
@@ -83,11 +88,6 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
                  output: Any = None, build: Any = None) -> dict[str, Any]:
     """``build(recipe, run) -> Training`` replaces ``build_training`` (``dptext distill`` builds its student
     run this way); keys of its ``training.info`` override those of the result (e.g. ``privacy``)."""
-    from dptext.finetune.loop import restore, run_loop
-    from dptext.finetune.setup import build_training
-    from dptext.output import Output
-    from dptext.finetune.distributed import FollowerRun, current, release, silent_output
-
     output = output or Output(quiet=True)
     if resume is not None:
         run = RunDir.open(resume)
@@ -121,8 +121,6 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         raise
     training.selection = model_selection.make_selection(recipe, training.task, dist.active)
     if training.audit is not None and dist.is_writer:  # who is (not) a member, for `dptext mia`; same seed on resume, same split
-        from dptext.data.audit_split import write_audit
-
         write_audit(run.path, training.audit, trained_on=len(training.examples))
     evaluate = _evaluator(training, output)
     state = run.load_checkpoint() if resume is not None else None

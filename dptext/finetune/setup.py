@@ -8,12 +8,23 @@ the ledger, so the ε reported is the ε of the run that happened.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from dptext.accounting import PrivacyLedger, calibrate_noise_multiplier, plan_for_recipe
+from dptext.accounting.calibrate import check_training_accountant
+from dptext.adaptation import apply_adaptation, trainable_summary
+from dptext.data import load_records
+from dptext.data.audit_split import audit_requested, split_for_audit
 from dptext.errors import UserError
+from dptext.finetune.distributed import current
+from dptext.finetune.edp import build_edp
+from dptext.finetune.seeds import privacy_seed, seed_everything
 from dptext.finetune.validate import check_records
+from dptext.models import load_tokenizer
+from dptext.privacy import PrivacyEngine
+from dptext.privacy.sampler import make_sampler
+from dptext.tasks import build_task
 
 CPU_PHYSICAL_BATCH = 16  # CPU RAM is rarely the limit at these model sizes; an OOM there kills the process
 GPU_PROBE_START = 256
@@ -68,35 +79,6 @@ def autocast_dtype(precision: str, device) -> Any:
     return torch.float16 if precision == "fp16" else torch.bfloat16
 
 
-def seed_everything(seed: int, child: str = "init", rank: int = 0) -> None:
-    """Seed Python, NumPy and torch's global generators from the public root's ``child`` (init, then dropout,
-    one stream per rank)."""
-    import numpy as np
-    import torch
-
-    from dptext.privacy.randomness import RandomRoot
-
-    value = RandomRoot(seed).seed(child, rank)
-    random.seed(value)
-    np.random.seed(value % 2**32)
-    torch.manual_seed(value)
-
-
-def privacy_seed(privacy: Any, seed: int) -> int | None:
-    """The seed of sampler and noise: None (a secret os.urandom root) unless reproducible noise was asked for."""
-    if privacy.reproducible_noise and privacy.secure_rng:
-        raise UserError("privacy.secure_rng re-seeds the noise from the OS every step, which contradicts "
-                        "privacy.reproducible_noise=true; choose one.")
-    return seed if privacy.reproducible_noise else None
-
-
-def record_ids(examples: list) -> list[bytes]:
-    """A stable id per encoded example (a digest of its tokens and labels), for eDP-SGD's keyed slot hash."""
-    import hashlib
-
-    return [hashlib.blake2b(repr((e.input_ids, e.labels)).encode(), digest_size=16).digest() for e in examples]
-
-
 def untie_output_embedding(model: Any) -> None:
     """Give the LM head its own copy of the tied input embedding (only on explicit request)."""
     import torch
@@ -120,8 +102,6 @@ def make_optimizer(recipe: Any, params: list):
 
 
 def load_splits(recipe: Any) -> tuple[list, list, list]:
-    from dptext.data import load_records
-
     train = load_records(recipe.data, "train")
     if not train:
         raise UserError("The training split is empty; check data.path and data.max_train_examples.")
@@ -133,8 +113,6 @@ def load_splits(recipe: Any) -> tuple[list, list, list]:
 
 def noise_for(recipe: Any, plan: Any) -> float:
     """σ: the recipe's pinned noise multiplier, or calibrated to the target ε by the recipe's accountant."""
-    from dptext.accounting import calibrate_noise_multiplier
-
     privacy = recipe.privacy
     if privacy.noise_multiplier is not None:
         return privacy.noise_multiplier
@@ -148,16 +126,6 @@ def noise_for(recipe: Any, plan: Any) -> float:
 
 def build_training(recipe: Any) -> Training:
     import torch
-
-    from dptext.accounting import PrivacyLedger, plan_for_recipe
-    from dptext.accounting.calibrate import check_training_accountant
-    from dptext.adaptation import apply_adaptation, trainable_summary
-    from dptext.data.audit_split import audit_requested, split_for_audit
-    from dptext.models import load_tokenizer
-    from dptext.privacy import PrivacyEngine
-    from dptext.finetune.distributed import current
-    from dptext.privacy.sampler import make_sampler
-    from dptext.tasks import build_task
 
     seed_everything(recipe.train.seed)
     device = pick_device(recipe.train.device)
@@ -193,8 +161,6 @@ def build_training(recipe: Any) -> Training:
         check_training_accountant(privacy.accountant)
         privacy_seed(privacy, recipe.train.seed)  # refuses contradictory randomness settings before any work
     if privacy.enabled and privacy.method == "edp_sgd":
-        from dptext.finetune.edp import build_edp
-
         build_edp(training, dist)
     elif privacy.enabled:
         training.noise_multiplier = noise_for(recipe, plan)

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dptext.data import dataset_info
+from dptext.data import dataset_info, load_records
 from dptext.errors import UserError
 from dptext.model_check import check_model_name
 from dptext.runs import RunDir
@@ -122,8 +122,6 @@ def _ranges(ids: list[int]) -> str:
 
 def validate_local_data(recipe: Any) -> None:
     """`dptext check`: read the training split when it is on this machine (never the hub) and check its records."""
-    from dptext.data import load_records
-
     if recipe.data.path or dataset_info(recipe.data.dataset).offline:
         # own files (data.path) in full; a packaged corpus only its training split, which is what costs time
         names = ("train", "validation", recipe.eval.split) if recipe.data.path else ("train",)

@@ -22,14 +22,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from dptext.errors import UserError
+from dptext.tasks.classification import ClassificationTask
+from dptext.tasks.infilling import InfillingTask
+from dptext.tasks.intent_slot import IntentSlotTask
+from dptext.tasks.language_modeling import DialogTask, LanguageModelingTask, TableToTextTask
 
 
 def build_task(recipe: Any, tokenizer: Any, train_records: Sequence[dict[str, Any]]):
-    from dptext.tasks.classification import ClassificationTask
-    from dptext.tasks.infilling import InfillingTask
-    from dptext.tasks.intent_slot import IntentSlotTask
-    from dptext.tasks.language_modeling import DialogTask, LanguageModelingTask, TableToTextTask
-
     kind = recipe.task.type
     if kind == "language_modeling":
         return LanguageModelingTask(recipe, tokenizer)

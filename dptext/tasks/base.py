@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
+from dptext.models import load_model
 from dptext.tasks.encoding import Example, pad_batch
 
 
@@ -33,8 +34,6 @@ class Task(ABC):
 
     def load_model(self):
         """The model this task trains, as ``recipe.model`` describes it."""
-        from dptext.models import load_model
-
         recipe = self.recipe
         model, _ = load_model(recipe.model.name, head=self.head, num_labels=self.num_labels,
                               random_init=recipe.model.adaptation == "retrain", seed=recipe.train.seed)

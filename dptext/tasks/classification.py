@@ -15,9 +15,12 @@ from typing import Any, Callable, Sequence
 from dptext import metrics
 from dptext.data import label_names
 from dptext.errors import UserError
+from dptext.models import load_model
+from dptext.privacy.losses import per_example_loss
 from dptext.tasks.base import Task, batches
 from dptext.tasks.encoding import IGNORE_INDEX, Example
 from dptext.tasks.label_sets import check_records, class_index, declared_classes, other_index
+from dptext.tasks.pooling import MeanPoolingClassifier
 
 
 class ClassificationTask(Task):
@@ -48,9 +51,6 @@ class ClassificationTask(Task):
     def load_model(self):
         if self.recipe.task.pooling != "mean":
             return super().load_model()
-        from dptext.models import load_model
-        from dptext.tasks.pooling import MeanPoolingClassifier
-
         recipe = self.recipe
         encoder, _ = load_model(recipe.model.name, head="base", random_init=recipe.model.adaptation == "retrain",
                                 seed=recipe.train.seed)
@@ -92,8 +92,6 @@ class ClassificationTask(Task):
         return model(**inputs).logits
 
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
-        from dptext.privacy.losses import per_example_loss
-
         return per_example_loss(self.logits(model, batch), batch["labels"])
 
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,

@@ -29,9 +29,10 @@ from torch import nn
 
 from dptext import metrics
 from dptext.errors import UserError
+from dptext.models import load_model
+from dptext.privacy.losses import per_example_loss
 from dptext.tasks.base import Task, batches
-from dptext.tasks.clc import SIZES as CLC_SIZES
-from dptext.tasks.clc import build_clc
+from dptext.tasks.clc import SIZES as CLC_SIZES, build_clc
 from dptext.tasks.crf import CRF
 from dptext.tasks.encoding import IGNORE_INDEX, Example
 from dptext.tasks.label_sets import check_records, declared_intents_and_tags, other_index
@@ -121,8 +122,6 @@ class IntentSlotTask(Task):
         self.clc = recipe.model.name in CLC_SIZES  # word-level bi-LSTM encoder: one position per word
 
     def load_model(self):
-        from dptext.models import load_model
-
         recipe = self.recipe
         if self.clc:
             encoder = build_clc(recipe.model.name, self.tokenizer, recipe.train.seed)
@@ -203,8 +202,6 @@ class IntentSlotTask(Task):
         return model(**inputs)
 
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
-        from dptext.privacy.losses import per_example_loss
-
         intent_logits, slot_logits = self.logits(model, batch)
         loss = per_example_loss(intent_logits, batch["intent"])
         if not self.use_crf:

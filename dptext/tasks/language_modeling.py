@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from dptext import metrics
+from dptext.data import group_references
+from dptext.privacy.losses import per_example_loss
 from dptext.tasks import text_format
 from dptext.tasks.base import Task, batches
 from dptext.tasks.encoding import Example, encode_prompt_completion
@@ -35,8 +37,6 @@ class LanguageModelingTask(Task):
                 for r in records]
 
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
-        from dptext.privacy.losses import per_example_loss
-
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return per_example_loss(logits, batch["labels"], batch["attention_mask"], shift=True,
                                 reduction=self.reduction)
@@ -56,8 +56,6 @@ class LanguageModelingTask(Task):
                    on_progress: Callable[[int], None] | None = None) -> float:
         """exp(total completion-token NLL / completion tokens) over ``records``."""
         import torch
-
-        from dptext.privacy.losses import per_example_loss
 
         device = next(model.parameters()).device
         total_nll, total_tokens = 0.0, 0
@@ -86,14 +84,10 @@ class TableToTextTask(LanguageModelingTask):
         return text_format.table_prompt(record), " " + record["ref"]
 
     def evaluation_size(self, records: Sequence[dict[str, Any]]) -> int:
-        from dptext.data import group_references
-
         return len(records) + len(group_references(records))
 
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
                  on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
-        from dptext.data import group_references
-
         groups = group_references(records)
         hypotheses = self.generate(model, [text_format.table_prompt(g) for g in groups], batch_size, on_progress)
         references = [g["refs"] for g in groups]

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+from dptext.models import load_model
+
 HEAD_FILE = "mean_pooling_head.pt"
 
 
@@ -47,8 +49,6 @@ class MeanPoolingClassifier(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "MeanPoolingClassifier":
         """Reload what ``save_pretrained`` wrote: the encoder folder plus ``mean_pooling_head.pt``."""
-        from dptext.models import load_model
-
         head = torch.load(Path(path) / HEAD_FILE, map_location="cpu", weights_only=True)
         encoder, _ = load_model(str(path), head="base")
         model = cls(encoder, int(head["num_labels"]))
