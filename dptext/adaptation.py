@@ -64,7 +64,7 @@ def _is_embedding(name: str) -> bool:
 
 def _apply_lora(model: Any, recipe: Any) -> Any:
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # optional dependency: only LoRA runs need peft
     except ImportError as exc:
         raise UserError("adaptation=lora needs peft; run `pip install peft` (or `pip install dptext[peft]`).") from exc
     present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()}

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+
+import torch
 
 from dptext.models import load_model
 from dptext.privacy import PrivacyEngine, per_example_loss
@@ -45,8 +47,6 @@ def _rss_mb() -> float:
 
 
 def _batch(vocab_size: int, batch_size: int, seq_len: int, device):
-    import torch
-
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(5, vocab_size, (batch_size, seq_len), generator=generator).to(device)
     return ids, torch.ones_like(ids)
@@ -54,8 +54,6 @@ def _batch(vocab_size: int, batch_size: int, seq_len: int, device):
 
 def _make_step(mode: str, model, batch_size: int):
     """(step(ids, mask), close()) for one training mode on ``model``."""
-    import torch
-
     if mode == "nonprivate":
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
 
@@ -80,7 +78,7 @@ def _make_step(mode: str, model, batch_size: int):
 
 
 def _opacus_step(model, batch_size: int):
-    import torch
+    # optional dependency (opacus) or plotting only (matplotlib)
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
@@ -104,24 +102,18 @@ def _opacus_step(model, batch_size: int):
 
 
 def _untie(model) -> None:
-    import torch
-
     head = model.get_output_embeddings()
     head.weight = torch.nn.Parameter(head.weight.detach().clone())
     model.config.tie_word_embeddings = False
 
 
 def _synchronize(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _runs(step, ids, mask, device) -> bool:
     """One step at this batch size, False if the device ran out of memory."""
-    import torch
-
     try:
         step(ids, mask)
         _synchronize(device)
@@ -132,8 +124,6 @@ def _runs(step, ids, mask, device) -> bool:
 
 def _max_batch(mode: str, model, spec: dict, device) -> int:
     """Largest batch that trains without running out of GPU memory: double, then bisect."""
-    import torch
-
     def fits(batch_size: int) -> bool:
         step, close = _make_step(mode, model, batch_size)
         try:
@@ -159,8 +149,6 @@ def _max_batch(mode: str, model, spec: dict, device) -> int:
 
 def measure(spec: dict) -> dict:
     """One mode, in this process: model, warm-up, timed steps, peak memory, (GPU) largest batch."""
-    import torch
-
     torch.manual_seed(0)
     device = torch.device(spec["device"])
     model, _ = load_model(spec["model"], head="causal_lm")
@@ -245,8 +233,6 @@ def run(model: str, seq_len: int, batch_size: int, device: str = "auto", steps: 
 
     With ``rounds`` > 1 the modes run round-robin that many times and each reports the median over all its
     timed steps: on a shared machine, load that comes and goes then hits every mode alike."""
-    import torch
-
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if precision == "auto":
@@ -267,10 +253,6 @@ def run(model: str, seq_len: int, batch_size: int, device: str = "auto", steps: 
 
 
 def machine_description(device: str) -> str:
-    import platform
-
-    import torch
-
     if device.startswith("cuda"):
         return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores "
@@ -279,10 +261,10 @@ def machine_description(device: str) -> str:
 
 def write_chart(report: dict, path: Path) -> None:
     """Bar chart of step time and peak memory relative to non-private training."""
-    import matplotlib
+    import matplotlib  # optional dependency (opacus) or plotting only (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency (opacus) or plotting only (matplotlib)
 
     rows = [r for r in report["results"] if "time_ratio" in r]
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))

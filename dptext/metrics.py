@@ -24,7 +24,7 @@ def _check_aligned(hypotheses: Sequence[str], references: Sequence[Sequence[str]
 
 def corpus_bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:
     """Multi-reference corpus BLEU (sacrebleu defaults: 13a tokenisation, 4-grams)."""
-    from sacrebleu.metrics import BLEU
+    from sacrebleu.metrics import BLEU  # only generation tasks score BLEU / ROUGE; the scorers load slowly
 
     _check_aligned(hypotheses, references)
     if not hypotheses:
@@ -36,7 +36,7 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) 
 
 def rouge_l(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:
     """ROUGE-L F1, best reference per hypothesis, averaged over hypotheses."""
-    from rouge_score import rouge_scorer
+    from rouge_score import rouge_scorer  # only generation tasks score BLEU / ROUGE; the scorers load slowly
 
     _check_aligned(hypotheses, references)
     if not hypotheses:

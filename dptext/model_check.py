@@ -40,7 +40,7 @@ def hub_reachable(timeout: float = 1.0) -> bool:
 
 def _in_hub_cache(name: str) -> bool:
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache  # huggingface_hub only when the hub cache is consulted
     except ImportError:  # pragma: no cover - transformers always brings huggingface_hub
         return False
     try:

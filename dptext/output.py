@@ -15,6 +15,7 @@ import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
+from dataclasses import asdict
 
 
 def _jsonable(value: Any) -> Any:
@@ -30,8 +31,6 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
         return _jsonable(value.item())
     if hasattr(value, "__dataclass_fields__"):
-        from dataclasses import asdict
-
         return _jsonable(asdict(value))
     return str(value)
 
@@ -104,6 +103,7 @@ class Output:
     @property
     def console(self):
         if self._console is None:
+            # rich loads in ~0.1 s; `--json` and plain output, and `dptext --help`, never need it
             from rich.console import Console
 
             self._console = Console(highlight=False)
@@ -112,6 +112,7 @@ class Output:
     @property
     def err_console(self):
         if self._err_console is None:
+            # rich loads in ~0.1 s; `--json` and plain output, and `dptext --help`, never need it
             from rich.console import Console
 
             self._err_console = Console(stderr=True, highlight=False)
@@ -141,6 +142,7 @@ class Output:
             return
         cells = [[format_value(v) for v in row] for row in rows]
         if self.interactive:
+            # rich loads in ~0.1 s; `--json` and plain output, and `dptext --help`, never need it
             from rich.table import Table
             from rich.text import Text
 
@@ -168,6 +170,7 @@ class Output:
         (a resumed run), so the time left counts only the remaining ones at the current rate."""
         handle = Progress(self, total, description, start)
         if self.interactive and not self.quiet:
+            # rich loads in ~0.1 s; `--json` and plain output, and `dptext --help`, never need it
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -200,6 +203,6 @@ def _strip_markup(text: str) -> str:
     """Remove rich markup like ``[bold]`` for plain output."""
     if "[" not in text:
         return text
-    from rich.text import Text
+    from rich.text import Text  # rich loads in ~0.1 s; `--json` and plain output, and `dptext --help`, never need it
 
     return Text.from_markup(text).plain

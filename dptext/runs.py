@@ -24,6 +24,7 @@ newest complete checkpoint.
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -117,8 +119,7 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
 
 def atomic_write_png(path: str | Path, figure: Any) -> Path:
     """Save a matplotlib figure as a PNG atomically, then close it."""
-    import io
-
+    # lazily: light commands (`dptext account`, `check`) use runs.py
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
@@ -153,8 +154,6 @@ def git_revision(directory: Path | None = None) -> str:
 
 
 def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     found = {}
     for name in TRACKED_PACKAGES:
         try:
@@ -178,7 +177,7 @@ def provenance() -> dict[str, Any]:
 
 def capture_rng_state() -> dict[str, Any]:
     """Python, NumPy and torch (CPU and CUDA) generator states, for exact resumption."""
-    import numpy as np
+    import numpy as np  # lazily: light commands (`dptext account`, `check`) use runs.py
     import torch
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -188,7 +187,7 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
+    import numpy as np  # lazily: light commands (`dptext account`, `check`) use runs.py
     import torch
 
     random.setstate(state["python"])
@@ -329,7 +328,7 @@ class RunDir:
         LATEST is updated only after the checkpoint file is complete, and older
         checkpoints are pruned only after that, so there is always one complete one.
         """
-        import torch
+        import torch  # lazily: light commands (`dptext account`, `check`) use runs.py
 
         target = self.checkpoint_dir / f"step-{step:08d}.pt"
         atomic_write(target, lambda f: torch.save({"step": step, **state}, f), binary=True)
@@ -347,7 +346,7 @@ class RunDir:
         return target if target.exists() else None
 
     def load_checkpoint(self, map_location: Any = "cpu") -> dict[str, Any] | None:
-        import torch
+        import torch  # lazily: light commands (`dptext account`, `check`) use runs.py
 
         target = self.latest_checkpoint()
         if target is None:

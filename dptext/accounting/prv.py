@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+import warnings
 
 from dptext.accounting.events import StepRun, check_delta, group_runs
 from dptext.accounting.rdp import rdp_epsilon
@@ -70,8 +71,7 @@ class PrvCurve:
     """
 
     def __init__(self, runs: Iterable[StepRun], delta: float, eps_error: float = DEFAULT_EPS_ERROR):
-        import warnings
-
+        # prv_accountant loads only when the PRV accountant is used
         from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
 
         self.delta = check_delta(delta)

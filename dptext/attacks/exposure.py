@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy import stats
 
 
 def exposure_from_rank(rank: float, space_size: float) -> float:
@@ -38,8 +39,6 @@ def sampled_exposure(canary_score: float, candidate_scores, space_size: float) -
 
 def fitted_exposure(canary_score: float, candidate_scores) -> dict:
     """−log₂ of the fitted CDF at the canary (skew-normal; normal if the skew-normal fit fails)."""
-    from scipy import stats
-
     candidates = np.asarray(candidate_scores, dtype=float)
     try:
         params = stats.skewnorm.fit(candidates)

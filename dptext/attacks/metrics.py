@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import beta
 
 _trapezoid = getattr(np, "trapezoid", None) or np.trapz  # numpy < 2 names it trapz
 
@@ -66,8 +67,6 @@ def tpr_at_fpr(fpr: np.ndarray, tpr: np.ndarray, target: float) -> float:
 
 def clopper_pearson(successes: np.ndarray | int, trials: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
     """One-sided (lower, upper) Clopper–Pearson bounds, each holding with probability ≥ 1 − alpha."""
-    from scipy.stats import beta
-
     k = np.asarray(successes, dtype=float)
     lower = np.where(k > 0, beta.ppf(alpha, k, trials - k + 1), 0.0)
     upper = np.where(k < trials, beta.ppf(1 - alpha, k + 1, trials - k), 1.0)

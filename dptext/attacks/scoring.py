@@ -17,6 +17,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from dptext.tasks.base import batches
 
@@ -24,17 +26,12 @@ QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def _confidence_logit(mean_loss):
-    import torch
-
     # log p − log(1 − p) with p = exp(−ℓ): −ℓ − log(−expm1(−ℓ)), stable for ℓ near 0 and large ℓ
     ell = mean_loss.clamp(min=1e-12)
     return -ell - torch.log(-torch.expm1(-ell))
 
 
 def _language_model_outputs(task: Any, model: Any, batch: dict) -> tuple:
-    import torch
-    import torch.nn.functional as F
-
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
     labels = batch["labels"].clone()
     labels[batch["attention_mask"] == 0] = -100
@@ -53,8 +50,6 @@ def _language_model_outputs(task: Any, model: Any, batch: dict) -> tuple:
 
 
 def _classifier_outputs(task: Any, model: Any, batch: dict) -> tuple:
-    import torch
-
     logits = task.logits(model, batch).float()
     log_probs = torch.log_softmax(logits, dim=-1)
     loss = -log_probs.gather(1, batch["labels"].unsqueeze(1)).squeeze(1)
@@ -65,8 +60,6 @@ def _classifier_outputs(task: Any, model: Any, batch: dict) -> tuple:
 def record_scores(task: Any, model: Any, records: Sequence[dict[str, Any]], batch_size: int = 32,
                   on_progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
     """{"loss", "confidence_logit", "features"} arrays for ``records`` (in order)."""
-    import torch
-
     device = next(model.parameters()).device
     outputs = _classifier_outputs if hasattr(task, "logits") else _language_model_outputs
     parts: dict[str, list] = {"loss": [], "confidence_logit": [], "features": []}

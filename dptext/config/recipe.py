@@ -25,4 +25,4 @@ class Recipe:
     train: TrainConfig = section(TrainConfig, "Optimisation.")
     eval: EvalConfig = section(EvalConfig, "Evaluation.")
     distill: DistillConfig = section(DistillConfig, "`dptext distill`: teacher, synthetic data, student, λ, t, α.")
-    audit: AuditConfig = section(AuditConfig, "Privacy auditing: the audit split (non-members, public pool) and canaries.")
+    audit: AuditConfig = section(AuditConfig, "Privacy auditing: the audit split and canaries.")

@@ -21,6 +21,7 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+import random
 
 from dptext.data import atis, dart, dialog, e2e, generic, glue, news, reviews
 from dptext.data.files import gc_paused
@@ -132,8 +133,6 @@ def _first_or_sampled(records: list[dict], limit: int, seed: int | None) -> list
     """The first ``limit`` records, or (given a seed) a seeded random ``limit`` of them in their original order."""
     if seed is None or limit >= len(records):
         return records[:limit]
-    import random
-
     keep = sorted(random.Random(seed).sample(range(len(records)), limit))
     return [records[i] for i in keep]
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -79,8 +80,6 @@ def canary_record(task_type: str, prefix: str, secret: str, control_codes: list 
 
 def sample_candidates(canaries: dict[str, Any], count: int, seed: int) -> tuple[list[str], bool]:
     """(candidate secrets, exhaustive): all of R minus the canaries when |R| ≤ count, else ``count`` uniform draws."""
-    import itertools
-
     words, k = canaries["vocabulary"], canaries["words"]
     inserted = {c["secret"] for c in canaries["canaries"]}
     if canaries["space_size"] <= count:

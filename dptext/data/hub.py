@@ -32,7 +32,7 @@ def load_hub_split(
     are the hub's. ``split`` is the hub's split name, e.g. ``validation_matched``.
     """
     try:
-        import datasets
+        import datasets  # datasets loads in seconds and only hub reads (never offline files) need it
 
         kwargs: dict[str, Any] = {"split": split}
         if revision is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from dptext import models
 from dptext.errors import UserError
 from dptext.models import load_model
@@ -12,7 +14,7 @@ CAUSAL, MASKED = "causal_lm", "masked_lm"
 def _config_of(name: str):
     if name in models.TINY_MODELS:
         return models.tiny_config(name, len(models.load_tokenizer(name)))
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers loads in seconds; only the model's own loading needs it
 
     try:
         return AutoConfig.from_pretrained(models.model_source(name))
@@ -23,7 +25,7 @@ def _config_of(name: str):
 
 def model_kind(name: str) -> str:
     """``causal_lm`` or ``masked_lm``: what DP decoding with ``name`` means (generation or mask filling)."""
-    import transformers
+    import transformers  # transformers loads in seconds; only the model's own loading needs it
 
     config = _config_of(name)
     if getattr(config, "is_encoder_decoder", False):
@@ -47,8 +49,6 @@ def model_kind(name: str) -> str:
 
 def load_for_decoding(name: str, device: str = "auto"):
     """``(model, tokenizer, kind)`` on ``device`` (``auto``: the GPU when there is one)."""
-    import torch
-
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -16,12 +16,10 @@ Pure numerics, no model knowledge: this is what the tests check against brute fo
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+
+import torch
 
 from dptext.errors import UserError
-
-if TYPE_CHECKING:
-    import torch
 
 
 def check_lambda(lam: float, allow_one: bool = False) -> float:
@@ -93,8 +91,6 @@ def perturbed_log_probs(logits: "torch.Tensor", lam: float, support: "torch.Tens
     ``support`` (bool, same shape) restricts q and u to the True entries, |V| becoming their
     count per row; q' is exactly 0 outside. It must come from public information only (SPEC §5).
     """
-    import torch
-
     lam = check_lambda(lam, allow_one=True)
     dtype = torch.promote_types(logits.dtype, torch.float32)
     logits = logits.to(dtype)
@@ -117,8 +113,6 @@ def perturbed_log_probs(logits: "torch.Tensor", lam: float, support: "torch.Tens
 def perturbed_log_prob_of_targets(target_log_q: "torch.Tensor", lam: float, vocab_size: int) -> "torch.Tensor":
     """log q'(y) from log q(y) of the observed tokens only: q' is entrywise in q, so an
     evaluation needs one forward pass and then this, for every λ of a sweep."""
-    import torch
-
     lam = check_lambda(lam, allow_one=True)
     if lam == 1.0:
         return target_log_q

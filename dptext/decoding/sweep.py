@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from dptext.decoding.loading import CAUSAL
 from dptext.decoding.mechanism import (
     check_lambda,
@@ -109,8 +111,6 @@ def planned_batches(examples: int, batch_size: int, kind: str) -> int:
 
 
 def _causal_target_log_probs(model, tokenizer, texts, max_length, batch_size, on_batch):
-    import torch
-
     device = next(model.parameters()).device
     scored, vocab_size = [], None
     for start in range(0, len(texts), batch_size):
@@ -130,8 +130,6 @@ def _causal_target_log_probs(model, tokenizer, texts, max_length, batch_size, on
 def _choose_masked_positions(candidates, generator):
     """max(1, round(15%)) of each row's candidate positions, uniformly at random. Drawn row by
     row from one generator, so the maskings do not depend on the batch size or the padding."""
-    import torch
-
     masked = torch.zeros_like(candidates)
     for row, allowed in enumerate(candidates):
         positions = allowed.nonzero().squeeze(-1)
@@ -141,8 +139,6 @@ def _choose_masked_positions(candidates, generator):
 
 
 def _masked_target_log_probs(model, tokenizer, texts, max_length, batch_size, seed, on_batch):
-    import torch
-
     if tokenizer.mask_token_id is None:
         raise UserError("This tokenizer has no mask token, so the masked-LM protocol cannot run; use a causal LM.")
     device = next(model.parameters()).device
@@ -170,8 +166,6 @@ def perplexity_sweep(model, tokenizer, kind: str, texts: list[str], lambdas: lis
                      batch_size: int = 16, seed: int = 0,
                      on_batch: Callable[[], None] = lambda: None) -> SweepResult:
     """Perplexity under q' for each λ, with the ε each λ costs per example. |V| = logits size."""
-    import torch
-
     with torch.inference_mode():
         if kind == CAUSAL:
             groups, vocab_size = _causal_target_log_probs(model, tokenizer, texts, max_length, batch_size, on_batch)

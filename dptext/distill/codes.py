@@ -27,6 +27,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
+from scipy.optimize import brentq
+
 from dptext.accounting.gdp import gdp_delta
 from dptext.errors import UserError
 from dptext.tasks.label_sets import canonical, check_code_domain
@@ -76,8 +79,6 @@ class CodeDistribution:
 
 def gaussian_sigma(epsilon: float, delta: float) -> float:
     """σ of the Gaussian mechanism with sensitivity 1 that is exactly (ε, δ)-DP (μ = 1/σ GDP)."""
-    from scipy.optimize import brentq
-
     if not (epsilon > 0 and 0 < delta < 1):
         raise UserError(f"The Gaussian code histogram needs ε > 0 and 0 < δ < 1 (got ε={epsilon}, δ={delta}); "
                         "pass --code-epsilon and --code-delta.")
@@ -101,8 +102,6 @@ def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], 
                       epsilon: float | None = None, delta: float | None = None,
                       domain: dict[str, list] | None = None, seed: int = 0) -> CodeDistribution:
     """The distribution codes are sampled from, by ``mechanism`` (see the module docstring)."""
-    import numpy as np
-
     if mechanism not in MECHANISMS:
         raise UserError(f"Code distribution '{mechanism}' is unknown; choose one of {', '.join(MECHANISMS)}.")
     if not fields:
@@ -140,8 +139,6 @@ def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], 
 
 def sample_codes(distribution: CodeDistribution, n: int, seed: int) -> list[tuple]:
     """``n`` codes drawn i.i.d. from the distribution (a fixed, seeded stream)."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     picks = rng.choice(len(distribution.codes), size=n, p=np.asarray(distribution.probabilities))
     return [distribution.codes[i] for i in picks]

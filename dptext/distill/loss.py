@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from dptext.errors import UserError
 from dptext.privacy.losses import per_example_loss
 
@@ -22,8 +25,6 @@ IGNORE_INDEX = -100
 
 def next_token_mask(labels: Any, attention_mask: Any | None = None) -> Any:
     """(B, T) bool: position t's prediction (of token t+1) is learnt."""
-    import torch
-
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
     mask = shifted != IGNORE_INDEX
     if attention_mask is not None:
@@ -39,8 +40,6 @@ def _reduce(per_position: Any, mask: Any, reduction: str) -> Any:
 def kl_per_example(student_logits: Any, teacher_logits: Any, mask: Any, temperature: float = 1.0,
                    reduction: str = "mean") -> Any:
     """Σ_v p_T(v)·(log p_T(v) − log p_S(v)) at each masked position, reduced per example."""
-    import torch.nn.functional as F
-
     if student_logits.shape[-1] != teacher_logits.shape[-1]:
         raise UserError(f"Teacher and student vocabularies differ ({teacher_logits.shape[-1]} vs "
                         f"{student_logits.shape[-1]} logits); distil into a student with the teacher's tokenizer.")

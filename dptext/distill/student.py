@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from dptext.errors import UserError
 from dptext.models import load_model
 from dptext.runs import atomic_directory
@@ -50,8 +52,6 @@ def layer_indices(total: int, layers: Sequence[int] = (), stride: int | None = N
 
 def layer_subset(model: Any, layers: Sequence[int]) -> Any:
     """A new model with decoder layers ``layers`` of ``model`` (weights copied, ties kept)."""
-    import torch
-
     path, count_field = _layer_list(model)
     config = copy.deepcopy(model.config)
     setattr(config, count_field, len(layers))

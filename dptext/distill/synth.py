@@ -34,6 +34,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+import torch
+
 from dptext.data import load_records
 from dptext.distill.codes import CodeDistribution, code_distribution, compose_basic, sample_codes, total_variation
 from dptext.errors import UserError
@@ -98,8 +101,6 @@ def combined_privacy(teacher: dict[str, Any], codes: CodeDistribution) -> dict[s
 
 def make_plan(info: dict[str, Any], n: int, settings: dict[str, Any], code_settings: dict[str, Any],
               validation_fraction: float, seed: int) -> dict[str, Any]:
-    import numpy as np
-
     recipe = info["recipe"]
     records = load_records(recipe.data, "train")  # exactly the teacher's training set
     distribution = code_distribution(records, recipe.task.control_codes, code_settings["mechanism"],
@@ -137,8 +138,6 @@ def code_text(fields: Sequence[str], code: Sequence[Any]) -> str:
 def generate_batch(model: Any, tokenizer: Any, prompts: list[str], settings: dict[str, Any],
                    torch_seed: int) -> tuple[list[str], list[int]]:
     """Sampled completions of ``prompts`` (text and generated-token count, EOS excluded)."""
-    import torch
-
     device = next(model.parameters()).device
     batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
                       add_special_tokens=False).to(device)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from dptext.distill.loss import distillation_loss
 from dptext.errors import UserError
 from dptext.tasks.language_modeling import LanguageModelingTask
@@ -32,8 +34,6 @@ class DistillationTask(LanguageModelingTask):
                             f"the student {sizes[1]}; set distill.hidden_alpha=0 or pick a matching student.")
 
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
-        import torch
-
         wants_hidden = self.hidden_alpha > 0
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         student = model(**inputs, output_hidden_states=wants_hidden)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from dptext.accounting import PrivacyLedger, calibrate_noise_multiplier
 from dptext.accounting.plan import noise_schedule_for
 from dptext.data import load_records
@@ -48,8 +50,6 @@ def mean_gradient_alphas(training: Any, examples: list) -> dict:
     for chunk in batches(examples, PROBE_BATCH):
         batch = {k: v.to(training.device) for k, v in training.task.collate(chunk).items()}
         training.task.per_example_loss(training.model, batch).float().sum().backward()
-    import torch
-
     grads = {p: (p.grad if p.grad is not None else torch.zeros_like(p)) for p in params}
     alphas = alphas_from_gradients(grads)
     for param in params:

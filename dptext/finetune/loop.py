@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from dptext.accounting import PrivacyLedger
 from dptext.errors import RunInterrupted, UserError
 from dptext.finetune.selection import save_best
@@ -32,8 +34,6 @@ def micro_batches(indices: list[int], size: int):
 
 
 def _autocast(training: Any):
-    import torch
-
     if training.autocast_dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(training.device.type, dtype=training.autocast_dtype)
@@ -157,8 +157,6 @@ def stop_after_step(enabled: bool = True):
 
 def weights_finite(training: Any) -> bool:
     """Whether every trainable weight is finite (a NaN gradient or an overflow shows up here after the step)."""
-    import torch
-
     return all(bool(torch.isfinite(p).all()) for p in training.model.parameters() if p.requires_grad)
 
 

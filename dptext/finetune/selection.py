@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from dptext.errors import UserError
 from dptext.runs import RunDir, atomic_write
 
@@ -78,16 +80,12 @@ def make_selection(recipe: Any, task: Any, distributed: bool) -> Selection | Non
 
 
 def save_best(run: RunDir, model: Any, selection: Selection) -> None:
-    import torch
-
     state = {"step": selection.best_step, "value": selection.best_value, "model": model.state_dict()}
     atomic_write(run.path / BEST, lambda f: torch.save(state, f), binary=True)
 
 
 def restore_best(run: RunDir, model: Any, selection: Selection) -> None:
     """Load the best evaluation's weights into ``model`` (the run's final weights may be worse)."""
-    import torch
-
     path = run.path / BEST
     if selection.best_step is None or not path.exists():
         return  # no periodic evaluation happened (a run shorter than eval_every): keep the final weights

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dptext.accounting import PrivacyLedger, calibrate_noise_multiplier, plan_for_recipe
 from dptext.accounting.calibrate import check_training_accountant
 from dptext.adaptation import apply_adaptation, trainable_summary
@@ -60,8 +62,6 @@ class Training:
 
 
 def pick_device(name: str):
-    import torch
-
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -70,8 +70,6 @@ def pick_device(name: str):
 
 
 def autocast_dtype(precision: str, device) -> Any:
-    import torch
-
     if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
         return None
     if device.type != "cuda":
@@ -81,8 +79,6 @@ def autocast_dtype(precision: str, device) -> Any:
 
 def untie_output_embedding(model: Any) -> None:
     """Give the LM head its own copy of the tied input embedding (only on explicit request)."""
-    import torch
-
     head = model.get_output_embeddings()
     if head is None:
         raise UserError("model.untie_embeddings=true but this model has no output embedding to untie.")
@@ -91,8 +87,6 @@ def untie_output_embedding(model: Any) -> None:
 
 
 def make_optimizer(recipe: Any, params: list):
-    import torch
-
     cfg = recipe.train
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -125,8 +119,6 @@ def noise_for(recipe: Any, plan: Any) -> float:
 
 
 def build_training(recipe: Any) -> Training:
-    import torch
-
     seed_everything(recipe.train.seed)
     device = pick_device(recipe.train.device)
     dist = current(recipe.train.device)
@@ -222,8 +214,6 @@ def choose_physical_batch_size(training: Training, train_records: list) -> int:
     On CPU a fixed size is used: host memory rarely limits these models, and running out of it kills the
     process instead of raising an error we could recover from. The micro-batch size does not change privacy.
     """
-    import torch
-
     expected = max(1, int(round(training.plan.sample_rate * len(training.examples))))
     if training.device.type != "cuda":
         return min(CPU_PHYSICAL_BATCH, expected)

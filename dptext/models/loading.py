@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from dptext.errors import UserError
@@ -14,7 +15,7 @@ HEADS = ("causal_lm", "masked_lm", "sequence_classification", "token_classificat
 
 
 def _auto_class(head: str):
-    import transformers
+    import transformers  # transformers loads in seconds; importing dptext.models stays light for `dptext check`
 
     classes = {
         "causal_lm": transformers.AutoModelForCausalLM,
@@ -36,6 +37,7 @@ def load_tokenizer(name: str):
         return WordTokenizer.public(load_tokenizer("minilm-l6").get_vocab())
     if name in TINY_MODELS:
         return tiny_tokenizer(name)
+    # transformers loads in seconds; importing dptext.models stays light for `dptext check`
     from transformers import AutoTokenizer
 
     source = model_source(name)
@@ -55,7 +57,7 @@ def load_model(name: str, head: str = "causal_lm", num_labels: int | None = None
     ``random_init`` keeps the architecture and re-initialises all weights (the "retrain"
     row of Li et al. Table 2). Tiny models are always randomly initialised with ``seed``.
     """
-    import torch
+    import torch  # lazily, like transformers: importing dptext.models stays light for `dptext check`
 
     if name in CLC_MODELS:
         raise UserError(f"'{name}' (bi-LSTM + char-CNN) is built by task.type=intent_slot from its training "
@@ -69,6 +71,7 @@ def load_model(name: str, head: str = "causal_lm", num_labels: int | None = None
         if name in TINY_MODELS:
             config = tiny_config(name, len(tokenizer), **head_kwargs, **config_overrides)
         else:
+            # transformers loads in seconds; importing dptext.models stays light for `dptext check`
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(model_source(name), **head_kwargs, **config_overrides)
@@ -106,9 +109,7 @@ def _not_found(name: str) -> UserError:
 
 def smoke_test(name: str) -> dict[str, Any]:
     """Load ``name`` with its natural head and run one forward pass on a short sentence."""
-    import time
-
-    import torch
+    import torch  # torch and transformers load lazily: `dptext check` and `dptext models` list names without them
 
     start = time.monotonic()
     is_encoder = name in ("minilm-l6", "tiny-bert", "tiny-roberta")

@@ -45,6 +45,7 @@ CLC_MODELS = ("clc", "tiny-clc")  # bi-LSTM + char-CNN of Dupuy et al. (task.typ
 
 def _quiet_transformers() -> None:
     """transformers' loading chatter (progress bars, 'newly initialised' notes) drowns our output."""
+    # transformers/torch load in seconds; `dptext models` and `dptext check` list names without them
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -76,7 +77,7 @@ def smollm2_folder(force: bool = False) -> Path:
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
             raise UserError(f"Converting smollm2-135m needs the '{module}' package; run `pip install {module}`.")
-    import torch
+    import torch  # transformers/torch load in seconds; `dptext models` and `dptext check` list names without them
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()

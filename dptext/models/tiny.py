@@ -17,6 +17,7 @@ _SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]
 
 def tiny_tokenizer(name: str):
     """A byte-level BPE tokenizer with no merges: covers any text, built without network."""
+    # transformers/tokenizers load in seconds; importing dptext.models stays light
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -39,6 +40,7 @@ def tiny_tokenizer(name: str):
 
 
 def tiny_config(name: str, vocab_size: int, **overrides: Any):
+    # transformers/tokenizers load in seconds; importing dptext.models stays light
     from transformers import BertConfig, GPT2Config, LlamaConfig, RobertaConfig
 
     ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
+
 from dptext import metrics
 from dptext.data import label_names
 from dptext.errors import UserError
@@ -71,8 +73,6 @@ class ClassificationTask(Task):
         return examples
 
     def collate(self, examples: Sequence[Example]) -> dict[str, Any]:
-        import torch
-
         width = max((len(e.input_ids) for e in examples), default=0)
         pad = self.tokenizer.pad_token_id
         batch = {
@@ -96,8 +96,6 @@ class ClassificationTask(Task):
 
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
                  on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
-        import torch
-
         device = next(model.parameters()).device
         predictions, labels = [], []
         was_training = model.training

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
+
 IGNORE_INDEX = -100
 
 
@@ -39,8 +41,6 @@ def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str, max_l
 
 def pad_batch(examples: Sequence[Example], pad_id: int, padding_side: str = "right"):
     """Stack examples into ``input_ids``, ``attention_mask``, ``labels`` tensors (labels padded with -100)."""
-    import torch
-
     width = max((len(e.input_ids) for e in examples), default=0)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
+
 
 def generate_completions(
     model: Any,
@@ -19,8 +21,6 @@ def generate_completions(
     on_batch: Callable[[int], None] | None = None,
 ) -> list[str]:
     """The completion generated after each prompt, special tokens removed and whitespace stripped."""
-    import torch
-
     device = next(model.parameters()).device
     outputs: list[str] = []
     was_training = model.training

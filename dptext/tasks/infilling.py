@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
 from dptext.errors import UserError
 from dptext.tasks.base import Task
 from dptext.tasks.classification import ClassificationTask
@@ -111,15 +113,11 @@ class InfillingTask(ClassificationTask):
         return examples
 
     def collate(self, examples: Sequence[Example]) -> dict[str, Any]:
-        import torch
-
         batch = super().collate(examples)
         batch["mask_position"] = torch.tensor([e.extra["mask_position"] for e in examples], dtype=torch.long)
         return batch
 
     def logits(self, model: Any, batch: dict[str, Any]):
-        import torch
-
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         at_mask = out[torch.arange(out.shape[0], device=out.device), batch["mask_position"]]
         return at_mask[:, self.word_ids]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import torch
+
 from dptext import metrics
 from dptext.data import group_references
 from dptext.privacy.losses import per_example_loss
@@ -55,8 +57,6 @@ class LanguageModelingTask(Task):
     def perplexity(self, model: Any, records: Sequence[dict[str, Any]], batch_size: int,
                    on_progress: Callable[[int], None] | None = None) -> float:
         """exp(total completion-token NLL / completion tokens) over ``records``."""
-        import torch
-
         device = next(model.parameters()).device
         total_nll, total_tokens = 0.0, 0
         was_training = model.training
