@@ -27,14 +27,9 @@ import datetime as _dt
 import io
 import json
 import os
-import platform
-import random
 import shutil
-import subprocess
-import sys
 import tempfile
 from contextlib import contextmanager
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -42,6 +37,7 @@ from dptext import release
 from dptext.config import dump_recipe, load_recipe
 from dptext.errors import UserError
 from dptext.output import _jsonable
+from dptext.provenance import provenance
 
 RESOLVED = "resolved.yaml"
 PROVENANCE = "provenance.json"
@@ -52,12 +48,6 @@ RESULT = "result.json"
 MODEL_DIR = "model"  # the trained model (or LoRA adapters) a finished run exports
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
-
-TRACKED_PACKAGES = (
-    "dptext", "torch", "transformers", "datasets", "numpy", "scipy", "prv-accountant", "dp-accounting",
-    "typer", "rich", "sacrebleu", "rouge-score", "gguf", "peft", "opacus",
-)
-
 
 def _umask() -> int:
     current = os.umask(0)
@@ -137,64 +127,6 @@ def write_manifest(root: str | Path, kind: str | None = None, flags: Any = None)
     data = release.manifest(root, kind, flags)
     atomic_write_text(Path(root) / release.MANIFEST, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     return data
-
-
-def git_revision(directory: Path | None = None) -> str:
-    """The git commit of the dptext source tree (with '+dirty' when modified), or 'unknown'."""
-    directory = directory or Path(__file__).resolve().parent
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=5)
-        if rev.returncode != 0:
-            return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
-                               capture_output=True, text=True, timeout=5)
-        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def package_versions() -> dict[str, str]:
-    found = {}
-    for name in TRACKED_PACKAGES:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            continue
-    return found
-
-
-def provenance() -> dict[str, Any]:
-    return {
-        "git_revision": git_revision(),
-        "packages": package_versions(),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "command": sys.argv,
-        "started": _dt.datetime.now().isoformat(timespec="seconds"),
-    }
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch (CPU and CUDA) generator states, for exact resumption."""
-    import numpy as np  # lazily: light commands (`dptext account`, `check`) use runs.py
-    import torch
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np  # lazily: light commands (`dptext account`, `check`) use runs.py
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def read_lines(path: str | Path) -> list[str]:

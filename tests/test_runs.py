@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dptext import config, runs
+from dptext.finetune.seeds import capture_rng_state, restore_rng_state
 from dptext.errors import UserError
 
 
@@ -115,7 +116,7 @@ def _train(run: runs.RunDir, total_steps: int, crash_at: int | None = None) -> t
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        runs.restore_rng_state(state["rng"])
+        restore_rng_state(state["rng"])
         start = state["step"]
         run.truncate_metrics_after(start)
     for step in range(start + 1, total_steps + 1):
@@ -131,7 +132,7 @@ def _train(run: runs.RunDir, total_steps: int, crash_at: int | None = None) -> t
         run.log_metrics({"step": step, "loss": loss.item()})
         if step % 3 == 0:
             run.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                 "rng": runs.capture_rng_state()}, step=step)
+                                 "rng": capture_rng_state()}, step=step)
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 

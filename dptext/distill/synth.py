@@ -43,7 +43,8 @@ from dptext.errors import UserError
 from dptext.finetune.setup import pick_device
 from dptext.models import load_model
 from dptext.output import Output
-from dptext.runs import RunDir, atomic_write_json, atomic_write_text, provenance, read_lines, write_manifest
+from dptext.provenance import provenance
+from dptext.runs import RunDir, atomic_write_json, atomic_write_text, read_lines, write_manifest
 from dptext.tasks.text_format import control_code
 
 PLAN, SUMMARY, PROVENANCE = "plan.json", "summary.json", "provenance.json"

@@ -21,7 +21,8 @@ import torch
 from dptext.accounting import PrivacyLedger
 from dptext.errors import RunInterrupted, UserError
 from dptext.finetune.selection import save_best
-from dptext.runs import RunDir, capture_rng_state, restore_rng_state
+from dptext.finetune.seeds import capture_rng_state, restore_rng_state
+from dptext.runs import RunDir
 
 
 class NonFiniteError(UserError):

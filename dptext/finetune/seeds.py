@@ -1,5 +1,5 @@
 """The seeds of a run: the public root that seeds initialisation and dropout, the private one of sampler and noise,
-and the stable record ids eDP-SGD's keyed slot hash reads."""
+the stable record ids eDP-SGD's keyed slot hash reads, and the generator states a checkpoint saves."""
 
 from __future__ import annotations
 
@@ -34,3 +34,19 @@ def privacy_seed(privacy: Any, seed: int) -> int | None:
 def record_ids(examples: list) -> list[bytes]:
     """A stable id per encoded example (a digest of its tokens and labels), for eDP-SGD's keyed slot hash."""
     return [hashlib.blake2b(repr((e.input_ids, e.labels)).encode(), digest_size=16).digest() for e in examples]
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU and CUDA) generator states, for exact resumption."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,53 @@
+"""Where a run came from: the dptext git revision, the versions of the packages that decide its numbers, the
+command line and the machine (``provenance.json`` of a run directory, ``software`` of a synthetic data set)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+TRACKED_PACKAGES = (
+    "dptext", "torch", "transformers", "datasets", "numpy", "scipy", "prv-accountant", "dp-accounting",
+    "typer", "rich", "sacrebleu", "rouge-score", "gguf", "peft", "opacus",
+)
+
+
+def git_revision(directory: Path | None = None) -> str:
+    """The git commit of the dptext source tree (with '+dirty' when modified), or 'unknown'."""
+    directory = directory or Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=5)
+        if rev.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
+                               capture_output=True, text=True, timeout=5)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def package_versions() -> dict[str, str]:
+    found = {}
+    for name in TRACKED_PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def provenance() -> dict[str, Any]:
+    return {
+        "git_revision": git_revision(),
+        "packages": package_versions(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "command": sys.argv,
+        "started": _dt.datetime.now().isoformat(timespec="seconds"),
+    }
