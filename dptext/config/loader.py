@@ -24,7 +24,7 @@ def _unknown_key_error(key: str, cls: type, prefix: str) -> UserError:
     if not close:  # a misspelt leaf under the right section, e.g. 'privacy.epsilon'
         leaves = [k for k in valid if k.rsplit(".", 1)[-1] == key or key in k]
         close = leaves[:1]
-    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys are listed by `dptext check --schema`."
+    hint = f"; did you mean '{close[0]}'?" if close else "; valid keys are listed by `dptext check --schema`."
     return UserError(f"Unknown recipe key '{full}'{hint}")
 
 
