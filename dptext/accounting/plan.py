@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from dptext import data
 from dptext.accounting.calibrate import calibrate_noise_multiplier
 from dptext.accounting.events import (
     check_sample_rate,
@@ -24,7 +25,6 @@ from dptext.accounting.events import (
 )
 from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.config import load_recipe
-from dptext.data import train_size as split_train_size
 from dptext.data.audit_split import audit_requested, trained_size
 from dptext.errors import UserError
 
@@ -86,7 +86,7 @@ def recipe_sigmas(target_epsilon: float, directory: Path | None = None, delta: f
     paths = sorted(directory.glob("*.yaml")) + sorted(directory.glob("*.yml"))
     if not paths:
         raise UserError(f"No recipes (*.yaml) found in '{directory}'; pass --recipes DIR with your recipe files.")
-    train_size = train_size or split_train_size  # tests pass their own; the data's size otherwise
+    train_size = train_size or data.train_size  # looked up now, so a caller (or test) may stand in for it
     return [_recipe_row(path.stem, load_recipe(path), target_epsilon, delta, train_size) for path in paths]
 
 
