@@ -41,8 +41,9 @@ from torch import Tensor, nn
 from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.errors import UserError
 from dptext.privacy.clipping import STABILITY
-from dptext.privacy.engine import PrivacyEngine, _check_optimizer
+from dptext.privacy.engine import PrivacyEngine
 from dptext.privacy.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.plan import _check_optimizer
 from dptext.privacy.randomness import RandomRoot, keyed_hash, randomness_note
 from dptext.privacy.sampler import make_sampler
 
