@@ -12,6 +12,7 @@ from typing import Any
 
 from dptext.distill.loss import distillation_loss
 from dptext.tasks.language_modeling import LanguageModelingTask
+from dptext.tasks.probe_batches import vocab_size
 
 
 class DistillationTask(LanguageModelingTask):
@@ -31,6 +32,10 @@ class DistillationTask(LanguageModelingTask):
         if self.hidden_alpha > 0 and sizes[0] != sizes[1]:
             raise UserError(f"distill.hidden_alpha > 0 needs equal hidden sizes, but the teacher has {sizes[0]} and "
                             f"the student {sizes[1]}; set distill.hidden_alpha=0 or pick a matching student.")
+
+    def probe_vocab(self, model: Any) -> int:
+        """The start-up probe's synthetic ids go through the teacher too: within both vocabularies."""
+        return min(vocab_size(model), vocab_size(self.teacher))
 
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
         import torch

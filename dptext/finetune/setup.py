@@ -207,7 +207,7 @@ def build_training(recipe: Any) -> Training:
             ledger=training.ledger.record_step, distributed=dist)
         training.ledger.mechanism = training.engine.mechanism()
         if privacy.verify:
-            training.engine.verify(loss_fn=probe_loss(task))
+            verify_with_task(training.engine, task, model)
         training.sampler = training.engine.sampler(plan.steps)
     else:  # no clipping or noise: the non-private baseline of the same recipe (its batches need no secret)
         sampling = privacy.sampling if not dist.active else "poisson"
@@ -216,18 +216,12 @@ def build_training(recipe: Any) -> Training:
     return training
 
 
-def probe_loss(task):
-    """The start-up probe's loss: the task's own per-example loss where synthetic ids make a valid batch for it
-    (language modelling: labels are the ids), else a random functional of the model's outputs (the engine's
-    default), which still checks every layer but not the task's loss."""
-    if task.head != "causal_lm":
-        return None
-
-    def loss_fn(model, batch):
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        return task.per_example_loss(model, {**batch, "labels": labels})
-
-    return loss_fn
+def verify_with_task(engine: Any, task: Any, model: Any) -> None:
+    """The engine's start-up probe with the task's own synthetic batches (``task.probe_batch``: random ids and
+    labels, never a record) and its own per-example loss, so a loss in which examples interact is refused too."""
+    engine.verify(make_batch=lambda examples, positions, generator: task.probe_batch(model, generator, examples,
+                                                                                      positions),
+                  loss_fn=task.per_example_loss)
 
 
 def probe_records(template: dict[str, Any], count: int, max_length: int) -> list[dict[str, Any]]:

@@ -60,9 +60,11 @@ class OutsideReads:
     def clear(self) -> None:
         self.windows, self._open = {}, []
 
-    def _now(self) -> int:
-        """The next sequence number autograd will hand out (a throwaway node takes the current one)."""
-        return self._marker.view_as(self._marker).grad_fn._sequence_nr()
+    def _now(self) -> int | None:
+        """The next sequence number autograd will hand out (a throwaway node takes the current one); None inside a
+        torch.func transform (the engine's own per-example replay), which builds no graph the walk would see."""
+        node = self._marker.view_as(self._marker).grad_fn
+        return None if node is None else node._sequence_nr()
 
     def _on_model_call(self, module: nn.Module, args: tuple) -> None:
         self.clear()  # windows of earlier forwards cannot hold nodes of this one (numbers only grow)
@@ -73,7 +75,9 @@ class OutsideReads:
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:  # returns None: output unchanged
         if torch.is_grad_enabled() and self._open:
-            self.windows.setdefault(module, []).append((self._open.pop(), self._now()))
+            start, end = self._open.pop(), self._now()
+            if start is not None and end is not None:
+                self.windows.setdefault(module, []).append((start, end))
 
     def outside_read(self, loss: Tensor) -> nn.Parameter | None:
         """The first tracked parameter read by a node created outside every window of its owners, else None."""

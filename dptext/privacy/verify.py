@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.probe_checks import probe_one
+from dptext.privacy.probe_checks import probe_one, with_row
 
 PROBE_SHAPES = ((3, 5), (4, 4))  # (examples, positions): B ≠ T, then B = T
 
@@ -75,13 +75,30 @@ def synthetic_token_batch(model: nn.Module) -> Callable[[int, int, torch.Generat
                         "engine.verify() or set privacy.verify=false (not recommended).")
 
     def make_batch(examples: int, positions: int, generator: torch.Generator) -> dict[str, Tensor]:
-        ids = torch.randint(1, vocab, (examples, positions), generator=generator)
-        lengths = torch.randint(max(1, positions // 2), positions + 1, (examples,), generator=generator)
-        lengths[0] = positions
-        mask = (torch.arange(positions)[None, :] < lengths[:, None]).long()
-        return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+        return random_token_batch(vocab, generator, examples, positions)
 
     return make_batch
+
+
+def random_token_batch(vocab: int, generator: torch.Generator, examples: int, positions: int) -> dict[str, Tensor]:
+    """Ids in [1, vocab), right-padded with 0 to unequal lengths; the first example is full length, so the shape
+    is (examples, positions) whatever the draw."""
+    ids = torch.randint(1, max(vocab, 2), (examples, positions), generator=generator)
+    lengths = torch.randint(max(1, positions // 2), positions + 1, (examples,), generator=generator)
+    lengths[0] = positions
+    mask = (torch.arange(positions)[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def synthetic_batches(make_batch, examples: int, positions: int, number: int, device):
+    """The probe's batch of this shape and its ``redraw(j)``: the batch with example j's row of every tensor
+    taken from another synthetic batch of the same shape (to check that examples do not interact)."""
+    def draw(seed: int) -> dict[str, Tensor]:
+        fresh = make_batch(examples, positions, torch.Generator().manual_seed(seed))
+        return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in fresh.items()}
+
+    batch = draw(number)
+    return batch, lambda example: with_row(batch, draw(1000 * (number + 1) + example), example)
 
 
 def output_functional_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -142,9 +159,8 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
     def run_probes(precision) -> None:
         with probe_precision(model, precision):
             for number, (examples, positions) in enumerate(shapes):
-                generator = torch.Generator().manual_seed(number)
-                batch = {k: v.to(device) for k, v in make_batch(examples, positions, generator).items()}
-                probe_one(engine, report, batch, loss_fn, device, perturb=examples > 1)
+                batch, redraw = synthetic_batches(make_batch, examples, positions, number, device)
+                probe_one(engine, report, batch, loss_fn, device, redraw if examples > 1 else None)
 
     try:
         try:
