@@ -1,5 +1,6 @@
 """eDP-SGD's start-up probe (``EDPEngine.verify``): per-slot clipping against brute-force autograd on synthetic
-inputs, the loss's shape, and buffers that a training forward changes (state released without noise)."""
+inputs, the loss's shape, and buffers that a training forward changes (state released without noise; the DP-SGD
+probe refuses those too)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from dptext.errors import UserError
+from dptext.privacy import PrivacyEngine
 from dptext.privacy.edp import EDPEngine
 from dptext.privacy.verify import output_functional_loss
 
@@ -69,3 +71,15 @@ def test_a_loss_without_one_entry_per_example_is_refused():
     engine = engine_for(Tiny())
     with pytest.raises(UserError, match="one loss per example"):
         engine.verify(loss_fn=lambda model, batch: output_functional_loss(model, batch).sum())
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
+def test_dp_sgd_probe_also_refuses_running_statistics_of_a_frozen_layer(mode):
+    norm = nn.BatchNorm1d(WIDTH)
+    norm.requires_grad_(False)  # no parameter to clip, but the buffers follow the private batches
+    model = Tiny(norm).double()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine = PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=4,
+                           dataset_size=100, clipping_mode=mode)
+    with pytest.raises(UserError, match=r"refused buffer 'norm\.running_mean'.*without noise"):
+        engine.verify()

@@ -25,14 +25,10 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 from dptext.privacy.clipping import STABILITY
-from dptext.privacy.probe_checks import same_randomness
+from dptext.privacy.probe_checks import BUFFER_CHANGED, buffer_snapshot, changed_buffer, same_randomness
 from dptext.privacy.verify import PROBE_SHAPES, output_functional_loss, probe_precision, synthetic_token_batch
 
 RTOL = 1e-4  # the engine clips in fp32; a rewritten or uncollected gradient is off by far more
-
-
-def _buffers(model: nn.Module) -> dict[str, Tensor]:
-    return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
 
 
 def _rows(batch: dict, rows: Tensor) -> dict:
@@ -96,18 +92,15 @@ def probe_edp(engine, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype=
         for number, (examples, positions) in enumerate(shapes):
             batch = {k: v.to(device) if isinstance(v, Tensor) else v
                      for k, v in make_batch(examples, positions, torch.Generator().manual_seed(number)).items()}
-            before = _buffers(model)
+            before = buffer_snapshot(model)
             with torch.no_grad(), same_randomness(device):
                 loss = loss_fn(model, batch)
             if loss.ndim != 1 or len(loss) != examples:
                 raise UserError(f"The start-up probe refused the loss: it has shape {tuple(loss.shape)} for {examples} "
                                 "examples; return one loss per example (dptext.privacy.per_example_loss).")
-            changed = [name for name, value in _buffers(model).items()
-                       if value.shape != before[name].shape or not torch.equal(value, before[name])]
-            if changed:
-                raise UserError(f"The start-up probe refused buffer '{changed[0]}': a training forward changes it "
-                                "(running statistics), so it carries one slot's data into the next and is released "
-                                "without noise; freeze it in eval mode or remove the layer.")
+            changed = changed_buffer(model, before)
+            if changed is not None:  # it would also carry one slot's data into the next
+                raise UserError(f"The start-up probe refused {BUFFER_CHANGED.format(changed)}.")
             half = torch.arange(examples, device=device) < (examples + 1) // 2
             slots = [_rows(batch, half.nonzero().flatten()), _rows(batch, (~half).nonzero().flatten())]
             reference = reference_slot_grads(engine, slots, loss_fn, device)

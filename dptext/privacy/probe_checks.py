@@ -225,9 +225,31 @@ def _first_tensor(activation: Any) -> Tensor | None:
     return value if isinstance(value, Tensor) else None
 
 
+def buffer_snapshot(model: nn.Module) -> dict[str, Tensor]:
+    return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+
+
+def changed_buffer(model: nn.Module, before: dict[str, Tensor]) -> str | None:
+    """The first buffer a training forward changed since ``before`` (running statistics), else None."""
+    for name, value in model.named_buffers():
+        if name not in before or value.shape != before[name].shape or not torch.equal(value, before[name]):
+            return name
+    return None
+
+
+BUFFER_CHANGED = ("buffer '{}': a training forward changes it (running statistics), so it is computed from the "
+                  "private batches and released with the model without noise; put that layer in eval mode or "
+                  "remove it")
+
+
 def probe_one(engine, report, batch, loss_fn, device, redraw) -> None:
     """One synthetic batch; ``redraw(j)`` gives it with example j re-drawn (None: one example, nothing to check)."""
+    before = buffer_snapshot(engine.model)
     loss_ref, reference = reference_gradients(engine, batch, loss_fn, device)
+    changed = changed_buffer(engine.model, before)
+    if changed is not None:
+        report.state_problem = BUFFER_CHANGED.format(changed)
+        return
     examples = batch["input_ids"].shape[0] if "input_ids" in batch else len(loss_ref)
     if loss_ref.ndim != 1 or len(loss_ref) != examples:
         report.loss_problem = (f"the loss has shape {tuple(loss_ref.shape)} for {examples} examples; return one "

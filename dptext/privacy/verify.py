@@ -42,6 +42,7 @@ class LayerRow:
 class ProbeReport:
     rows: dict[nn.Module, LayerRow]
     loss_problem: str | None = None
+    state_problem: str | None = None  # model state a training forward changes (released without noise)
     seconds: float = 0.0
     shapes: tuple = PROBE_SHAPES
     notes: list[str] = field(default_factory=list)
@@ -60,6 +61,8 @@ class ProbeReport:
     def raise_if_refused(self) -> None:
         if self.loss_problem:
             raise UserError(f"The start-up probe refused the loss: {self.loss_problem}.")
+        if self.state_problem:
+            raise UserError(f"The start-up probe refused {self.state_problem}.")
         for row in self.refused():
             raise UserError(f"The start-up probe refused layer '{row.name}' ({row.kind}): {row.why}; freeze it, "
                             "train it through LoRA, or try another clipping_mode (`dptext check --model` lists "
@@ -171,7 +174,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
             engine.zero_grad()
             for row in report.rows.values():
                 row.status, row.why = "not reached", ""
-            report.loss_problem = None
+            report.loss_problem = report.state_problem = None
             report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
             run_probes(None)
     finally:
