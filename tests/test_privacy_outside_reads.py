@@ -125,3 +125,4 @@ def test_without_autograd_the_outside_read_is_a_dropped_path_not_a_leak(read, mo
     with pytest.raises(UserError, match="'embed'"):
         engine.verify(make_batch=lambda b, t, g: {"input_ids": torch.randint(0, VOCAB, (b, t), generator=g)},
                       loss_fn=lambda m, x: losses(m, x["input_ids"]))
+

@@ -4,7 +4,8 @@ For each task type (causal LM plain / control-coded, table-to-text, dialog, clas
 with mean pooling, infilling, intent-slot with and without CRF, and the CLC encoder) on a tiny fp64 model, in all
 three clipping modes: the probe accepts it, and on the task's probe batch the engine's clipped sums equal
 brute-force per-example autograd with the task's loss. A task whose loss lets examples interact is refused, and
-the probe batch is synthetic (its tokens are not drawn from any record).
+the probe batch is synthetic (its tokens are not drawn from any record); a batch the model cannot take is a
+one-sentence refusal, not a traceback.
 """
 
 from __future__ import annotations
@@ -125,3 +126,25 @@ def test_probe_batches_are_synthetic_and_shaped_by_the_probe_only():
         assert {k: v.shape for k, v in first.items()} == {k: v.shape for k, v in again.items()}
         assert all(v.shape[0] == 4 for v in first.values())
         assert not torch.equal(first["input_ids"], again["input_ids"])  # drawn, not read from records
+
+
+class NeedsDecoderIds(torch.nn.Module):
+    """An encoder-decoder-like forward that the default synthetic batch (ids and mask only) does not fit."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 4)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None):
+        if decoder_input_ids is None:
+            raise ValueError("You must specify exactly one of decoder_input_ids or decoder_inputs_embeds")
+        return self.embed(decoder_input_ids)
+
+
+def test_a_probe_batch_the_model_cannot_take_is_a_one_sentence_refusal():
+    engine = engine_for(NeedsDecoderIds().double(), "bookkeeping")
+    with pytest.raises(UserError, match=r"could not run this model on its synthetic batch \(ValueError"):
+        engine.verify()

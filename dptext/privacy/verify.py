@@ -177,6 +177,10 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
             report.loss_problem = report.state_problem = None
             report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
             run_probes(None)
+    except (ValueError, KeyError) as error:  # the synthetic batch lacks an input the model needs (T5's decoder ids)
+        raise UserError(f"The start-up probe could not run this model on its synthetic batch ({type(error).__name__} "
+                        "in the forward); pass make_batch and loss_fn that fit the model to engine.verify(), or use "
+                        "a task that builds its own probe batch.") from error
     finally:
         model.train(was_training)
         engine.recorder.probing = False
