@@ -1,6 +1,7 @@
 """Every task hands the start-up probe its own synthetic batch and its own per-example loss (issues 14 and 23).
 
-For each task type (causal LM plain / control-coded, table-to-text, dialog, classification with the model's and
+For each task type (causal LM plain / control-coded, table-to-text, dialog, distillation with the teacher's
+logits and hidden states in the loss, classification with the model's and
 with mean pooling, infilling, intent-slot with and without CRF, and the CLC encoder) on a tiny fp64 model, in all
 three clipping modes: the probe accepts it, and on the task's probe batch the engine's clipped sums equal
 brute-force per-example autograd with the task's loss. A task whose loss lets examples interact is refused, and
@@ -15,8 +16,9 @@ import torch
 
 from dptext import config
 from dptext.errors import UserError
+from dptext.distill.task import DistillationTask
 from dptext.finetune.setup import verify_with_task
-from dptext.models import load_tokenizer
+from dptext.models import load_model, load_tokenizer
 from dptext.privacy import PrivacyEngine
 from dptext.tasks import build_task
 from dptext.tasks.classification import ClassificationTask
@@ -38,6 +40,8 @@ TASKS = {
     "intent_slot": SLOTS + ["model.name=tiny-bert"],
     "intent_slot_crf": SLOTS + ["model.name=tiny-bert", "task.crf=true", "task.pooling=mean"],
     "intent_slot_clc": SLOTS + ["model.name=tiny-clc", "task.crf=true", "task.pooling=mean"],
+    "distillation": ["task.type=language_modeling", "model.name=tiny-gpt2", "data.dataset=amazon",
+                     "distill.kd_lambda=0.5", "distill.temperature=2.0", "distill.hidden_alpha=0.3"],
 }
 RECORDS = {
     "classification": [{"text": "good", "label": 1}, {"text": "bad", "label": 0}],
@@ -53,7 +57,13 @@ def build(name: str, task_class=None):
         tokenizer = WordTokenizer(["fly", "to", "boston", "fares", "please"], "abcdefghijklmnopqrstuvwxyz")
     else:
         tokenizer = load_tokenizer(recipe.model.name)
-    task = task_class(recipe, tokenizer, records) if task_class else build_task(recipe, tokenizer, records)
+    if name == "distillation":  # the teacher's logits and hidden states are in the loss the probe checks
+        teacher, _ = load_model("tiny-gpt2", head="causal_lm")
+        task = DistillationTask(recipe, tokenizer, teacher.eval().requires_grad_(False))
+    elif task_class:
+        task = task_class(recipe, tokenizer, records)
+    else:
+        task = build_task(recipe, tokenizer, records)
     torch.manual_seed(0)
     model = task.load_model().double()
     model.train()

@@ -71,7 +71,7 @@ def scaling_examples(recipe: Any, training: Any) -> list:
     return training.task.encode(load_records(data, "train"))
 
 
-def build_edp(training: Any, dist: Any) -> None:
+def build_edp(training: Any, dist: Any, probe_now: bool = True) -> None:
     """Set ``training``'s noise multiplier (σ_0 as accounted), ledger, eDP engine and sampler."""
     from dptext.accounting import PrivacyLedger
     from dptext.finetune.setup import privacy_seed, record_ids, verify_with_task
@@ -100,6 +100,6 @@ def build_edp(training: Any, dist: Any) -> None:
         seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
         ledger=training.ledger.record_step, distributed=dist, record_ids=record_ids(training.examples))
     training.ledger.mechanism = training.engine.mechanism()
-    if privacy.verify:
+    if privacy.verify and probe_now:
         verify_with_task(training.engine, training.task, training.model)
     training.sampler = training.engine.sampler(plan.steps)

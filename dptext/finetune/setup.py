@@ -146,7 +146,9 @@ def noise_for(recipe: Any, plan: Any) -> float:
                                       ).noise_multiplier
 
 
-def build_training(recipe: Any) -> Training:
+def build_training(recipe: Any, probe_now: bool = True) -> Training:
+    """``probe_now=False`` leaves the start-up probe (``privacy.verify``) to a caller that replaces the task first
+    (distillation's teacher loss), so it runs once, on the loss that trains."""
     import torch
 
     from dptext.accounting import PrivacyLedger, plan_for_recipe
@@ -195,7 +197,7 @@ def build_training(recipe: Any) -> Training:
     if privacy.enabled and privacy.method == "edp_sgd":
         from dptext.finetune.edp import build_edp
 
-        build_edp(training, dist)
+        build_edp(training, dist, probe_now)
     elif privacy.enabled:
         training.noise_multiplier = noise_for(recipe, plan)
         training.ledger = PrivacyLedger(delta=privacy.delta, dataset_size=len(train), accountant=privacy.accountant)
@@ -206,7 +208,7 @@ def build_training(recipe: Any) -> Training:
             seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
             ledger=training.ledger.record_step, distributed=dist)
         training.ledger.mechanism = training.engine.mechanism()
-        if privacy.verify:
+        if privacy.verify and probe_now:
             verify_with_task(training.engine, task, model)
         training.sampler = training.engine.sampler(plan.steps)
     else:  # no clipping or noise: the non-private baseline of the same recipe (its batches need no secret)
