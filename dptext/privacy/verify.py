@@ -1,15 +1,18 @@
 """The start-up verification probe: the engine against brute-force per-example autograd on synthetic inputs.
 
 Nothing here touches private data: the probe feeds random token ids within the vocabulary (unequal lengths,
-right padding), so it costs no privacy. For each probe shape (B ≠ T, then B = T) it
+right padding) — or a task's own synthetic batch (``task.probe_batch``) with the task's loss — so it costs no
+privacy. For each probe shape (B ≠ T, then B = T) it
 1. runs the model without the engine's hooks, with every planned parameter requiring grad, and takes each
-   example's gradient by its own autograd pass (fp64 where the model converts) — the reference;
+   example's gradient by its own autograd pass (fp64 where the model converts) — the reference; that forward must
+   change no buffer of the model (running statistics would be released without noise);
 2. runs the same forward with the hooks (same dropout masks) and checks, per layer, what would make the rules
    wrong: an output modified in place, rows that are not one example each, a broadcast of a batch-1 input that
    changes the forward, a tracked weight read outside its module (a functional use or a second module);
 3. lets the engine produce its per-parameter norms and clipped sums and compares them with the reference;
-4. re-draws one example's tokens: every other example's loss and every other row of every recorded input must
-   stay put (the loss is per example and the rows are examples), and the loss has one entry per example.
+4. re-draws one example (its row of every tensor of the batch): every other example's loss and every other row
+   of every recorded input must stay put (the loss is per example and the rows are examples), and the loss has
+   one entry per example.
 Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first into one sentence.
 """
 
