@@ -46,6 +46,8 @@ class Model(nn.Module):
             return F.linear(h, weight)
         if self.read == "second_module":
             return self.head(h) if not self.detach else F.linear(h, weight)
+        if self.read == "after_owner":  # the owner casts the weight first; under autocast the read reuses that cast
+            return F.linear(self.fc(h), self.fc.weight)
         return self.embed(input_ids) + h  # through the owning module only
 
 
@@ -85,6 +87,16 @@ def test_ghost_stops_an_outside_read_at_every_step_naming_the_parameter(read):
     assert not engine.clipped_grads()
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # no update
     assert all(p.grad is None for p in model.parameters())  # not even a first backward pass
+
+
+def test_ghost_sees_an_outside_read_through_autocasts_cached_cast():
+    torch.manual_seed(0)
+    model = Model("after_owner")
+    engine, _ = engine_for(model, "ghost")
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(UserError, match=r"Parameter 'fc\.weight' is read outside"):
+        engine.accumulate(losses(model, batch()).float())
+    assert not engine.clipped_grads()
 
 
 @pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])

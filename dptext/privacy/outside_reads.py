@@ -8,9 +8,10 @@ attribute, plain functional code — adds a path the norms miss, so examples wou
 The check is structural and cheap (no extra pass, no numbers from the batch). Autograd numbers the nodes it
 creates in creation order (``Node._sequence_nr``). A forward pre-hook and a forward hook on every tracked module
 bracket each call with two such numbers (the call's *window*). Before the first backward pass the graph is walked
-once from the loss: every node with an edge into a tracked parameter's ``AccumulateGrad`` (the node that reads the
-parameter) must have been created inside a window of a module that owns the parameter; the first one that was not
-stops the step, naming the parameter. The walk visits each node once: O(nodes of the graph) Python work.
+once from the loss: every node that reads a tracked parameter — has an edge into its ``AccumulateGrad``, or into
+a cast / view / transpose of it (autocast caches a weight's cast across calls) — must have been created inside a
+window of a module that owns the parameter; the first one that was not stops the step, naming the parameter.
+The walk visits each node once: O(nodes of the graph) Python work.
 
 Book-keeping and per_sample take the parameters out of autograd (``requires_grad=False``), so such a read gets no
 gradient at all and no ``AccumulateGrad`` to find. That is a dropped path, not a leak: norms and clipped sums are
@@ -33,6 +34,9 @@ def _accumulate_grad_type() -> type:
 
 
 ACCUMULATE_GRAD = _accumulate_grad_type()
+# Backward nodes of ops that only re-express one tensor (no other input, no arithmetic with activations)
+RE_EXPRESSIONS = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                  "UnsafeViewBackward0", "AliasBackward0", "ExpandBackward0", "ReshapeAliasBackward0"}
 
 
 class OutsideReads:
@@ -85,19 +89,33 @@ class OutsideReads:
         if root is None:
             return None
         allowed = {param: [w for m in owners for w in self.windows.get(m, ())] for param, owners in self.owners.items()}
+        sources: dict[Any, nn.Parameter | None] = {}
         seen, stack = {root}, [root]
         while stack:
             node = stack.pop()
             for child, _ in node.next_functions:
                 if child is None:
                     continue
-                if type(child) is ACCUMULATE_GRAD:
-                    param = child.variable
-                    if param in allowed:
-                        number = node._sequence_nr()
-                        if not any(start < number < end for start, end in allowed[param]):
-                            return param
-                elif child not in seen:
+                param = self._source(child, sources)
+                if param is not None:
+                    number = node._sequence_nr()
+                    if not any(start < number < end for start, end in allowed[param]):
+                        return param
+                elif child not in seen and type(child) is not ACCUMULATE_GRAD:
                     seen.add(child)
                     stack.append(child)
         return None
+
+    def _source(self, node: Any, sources: dict) -> nn.Parameter | None:
+        """The tracked parameter that ``node`` only re-expresses (its AccumulateGrad, or a cast, view or transpose
+        of it), else None. Casts count because autocast caches a weight's cast: a read outside the module reuses
+        the cast node made inside it, so the reader is whoever reads the cast."""
+        if node not in sources:
+            if type(node) is ACCUMULATE_GRAD:
+                sources[node] = node.variable if node.variable in self.owners else None
+            elif type(node).__name__ in RE_EXPRESSIONS and len(node.next_functions) == 1 \
+                    and node.next_functions[0][0] is not None:
+                sources[node] = self._source(node.next_functions[0][0], sources)
+            else:
+                sources[node] = None
+        return sources[node]
