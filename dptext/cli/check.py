@@ -37,8 +37,9 @@ def check(
         rows = [[r["name"], r["kind"], r["rule"], r["status"], r["why"]] for r in result["layers"]]
         out.table(f"{model}: {result['verdict']} ({clipping_mode}, {clipping_layout}; probe "
                   f"{result['seconds']} s)", ["layer", "class", "rule", "status", "why"], rows)
-        if result.get("why") or result.get("loss"):
-            out.warn(result.get("why") or result["loss"])
+        problem = result.get("why") or result.get("loss") or result.get("state")
+        if problem:
+            out.warn(problem)
         out.result(result)
         return
     if schema:

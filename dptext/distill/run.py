@@ -35,6 +35,7 @@ from dptext.distill.task import DistillationTask
 from dptext.errors import UserError
 from dptext.finetune.run import run_finetune
 from dptext.finetune.setup import build_training, pick_device
+from dptext.finetune.task_probe import verify_with_task
 from dptext.model_check import check_model_name
 from dptext.models import load_model
 from dptext.output import Output
@@ -162,8 +163,9 @@ def build_student_training(recipe: Any, run: RunDir) -> Any:
     description = ensure_student(recipe, run, teacher)
     budget = dpkd_budget(recipe, teacher, len(load_records(recipe.data, "train"))) if d.method == "dpkd" else None
     derived = student_recipe(recipe, run.path / STUDENT_DIR, teacher, budget)
-    training = build_training(derived)
-    if d.method in KD_METHODS and (d.kd_lambda > 0 or d.hidden_alpha > 0):
+    teacher_in_loss = d.method in KD_METHODS and (d.kd_lambda > 0 or d.hidden_alpha > 0)
+    training = build_training(derived, probe_now=not teacher_in_loss)  # probed below, with the teacher's loss
+    if teacher_in_loss:
         teacher_model, teacher_tokenizer = load_model(str(teacher["model_dir"]), head="causal_lm")
         if teacher_tokenizer.get_vocab() != training.tokenizer.get_vocab():
             raise UserError("Teacher and student tokenizers differ; distil into a student with the teacher's "
@@ -171,6 +173,8 @@ def build_student_training(recipe: Any, run: RunDir) -> Any:
         teacher_model.to(training.device).eval().requires_grad_(False)
         training.task = DistillationTask(derived, training.tokenizer, teacher_model)
         training.task.check_hidden_sizes(training.model)
+        if training.engine is not None and derived.privacy.verify:
+            verify_with_task(training.engine, training.task, training.model)
     training.final_records = load_records(recipe.data, recipe.eval.split)  # the real (private-distribution) split
     claim = privacy_claim(recipe, teacher, synthetic, budget, training.plan)
     training.info.update({"method": d.method, "student": description, "privacy_claim": claim,

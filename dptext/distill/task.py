@@ -15,6 +15,7 @@ import torch
 from dptext.distill.loss import distillation_loss
 from dptext.errors import UserError
 from dptext.tasks.language_modeling import LanguageModelingTask
+from dptext.tasks.probe_batches import vocab_size
 
 
 class DistillationTask(LanguageModelingTask):
@@ -32,6 +33,10 @@ class DistillationTask(LanguageModelingTask):
         if self.hidden_alpha > 0 and sizes[0] != sizes[1]:
             raise UserError(f"distill.hidden_alpha > 0 needs equal hidden sizes, but the teacher has {sizes[0]} and "
                             f"the student {sizes[1]}; set distill.hidden_alpha=0 or pick a matching student.")
+
+    def probe_vocab(self, model: Any) -> int:
+        """The start-up probe's synthetic ids go through the teacher too: within both vocabularies."""
+        return min(vocab_size(model), vocab_size(self.teacher))
 
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
         wants_hidden = self.hidden_alpha > 0

@@ -17,6 +17,7 @@ from dptext.accounting.plan import noise_schedule_for
 from dptext.data import load_records
 from dptext.errors import UserError
 from dptext.finetune.seeds import privacy_seed, record_ids
+from dptext.finetune.task_probe import verify_with_task
 from dptext.privacy.edp import EDPEngine, alphas_from_gradients, sensitivity_factor
 from dptext.tasks.base import batches
 
@@ -68,7 +69,7 @@ def scaling_examples(recipe: Any, training: Any) -> list:
     return training.task.encode(load_records(data, "train"))
 
 
-def build_edp(training: Any, dist: Any) -> None:
+def build_edp(training: Any, dist: Any, probe_now: bool = True) -> None:
     """Set ``training``'s noise multiplier (σ_0 as accounted), ledger, eDP engine and sampler."""
     recipe, plan = training.recipe, training.plan
     privacy = recipe.privacy
@@ -93,4 +94,6 @@ def build_edp(training: Any, dist: Any) -> None:
         seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
         ledger=training.ledger.record_step, distributed=dist, record_ids=record_ids(training.examples))
     training.ledger.mechanism = training.engine.mechanism()
+    if privacy.verify and probe_now:
+        verify_with_task(training.engine, training.task, training.model)
     training.sampler = training.engine.sampler(plan.steps)

@@ -22,6 +22,7 @@ from dptext.errors import UserError
 from dptext.finetune.distributed import current
 from dptext.finetune.edp import build_edp
 from dptext.finetune.seeds import privacy_seed, seed_everything
+from dptext.finetune.task_probe import verify_with_task
 from dptext.finetune.validate import check_records
 from dptext.models import load_tokenizer
 from dptext.privacy import PrivacyEngine
@@ -118,7 +119,9 @@ def noise_for(recipe: Any, plan: Any) -> float:
                                       ).noise_multiplier
 
 
-def build_training(recipe: Any) -> Training:
+def build_training(recipe: Any, probe_now: bool = True) -> Training:
+    """``probe_now=False`` leaves the start-up probe (``privacy.verify``) to a caller that replaces the task first
+    (distillation's teacher loss), so it runs once, on the loss that trains."""
     seed_everything(recipe.train.seed)
     device = pick_device(recipe.train.device)
     dist = current(recipe.train.device)
@@ -153,7 +156,7 @@ def build_training(recipe: Any) -> Training:
         check_training_accountant(privacy.accountant)
         privacy_seed(privacy, recipe.train.seed)  # refuses contradictory randomness settings before any work
     if privacy.enabled and privacy.method == "edp_sgd":
-        build_edp(training, dist)
+        build_edp(training, dist, probe_now)
     elif privacy.enabled:
         training.noise_multiplier = noise_for(recipe, plan)
         training.ledger = PrivacyLedger(delta=privacy.delta, dataset_size=len(train), accountant=privacy.accountant)
@@ -164,28 +167,14 @@ def build_training(recipe: Any) -> Training:
             seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
             ledger=training.ledger.record_step, distributed=dist)
         training.ledger.mechanism = training.engine.mechanism()
-        if privacy.verify:
-            training.engine.verify(loss_fn=probe_loss(task))
+        if privacy.verify and probe_now:
+            verify_with_task(training.engine, task, model)
         training.sampler = training.engine.sampler(plan.steps)
     else:  # no clipping or noise: the non-private baseline of the same recipe (its batches need no secret)
         sampling = privacy.sampling if not dist.active else "poisson"
         training.sampler = make_sampler(len(train), plan.sample_rate, plan.steps, recipe.train.seed, sampling, dist)
     training.physical_batch_size = recipe.train.physical_batch_size or choose_physical_batch_size(training, train)
     return training
-
-
-def probe_loss(task):
-    """The start-up probe's loss: the task's own per-example loss where synthetic ids make a valid batch for it
-    (language modelling: labels are the ids), else a random functional of the model's outputs (the engine's
-    default), which still checks every layer but not the task's loss."""
-    if task.head != "causal_lm":
-        return None
-
-    def loss_fn(model, batch):
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        return task.per_example_loss(model, {**batch, "labels": labels})
-
-    return loss_fn
 
 
 def probe_records(template: dict[str, Any], count: int, max_length: int) -> list[dict[str, Any]]:

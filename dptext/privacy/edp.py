@@ -41,8 +41,10 @@ from torch import Tensor, nn
 from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.errors import UserError
 from dptext.privacy.clipping import STABILITY
-from dptext.privacy.engine import PrivacyEngine, _check_optimizer
+from dptext.privacy.edp_probe import probe_edp
+from dptext.privacy.engine import PrivacyEngine
 from dptext.privacy.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.plan import _check_optimizer
 from dptext.privacy.randomness import RandomRoot, keyed_hash, randomness_note
 from dptext.privacy.sampler import make_sampler
 
@@ -123,6 +125,7 @@ class EDPEngine:
         self._record_step = getattr(ledger, "record_step", ledger)
         self.steps = 0
         self._unit_examples = 0
+        self.verified = False  # set by verify(): the synthetic probe matched brute force
         self.dp_optimizer = DPOptimizer(
             optimizer, self.params, self.noise_multiplier, self.max_grad_norm, self.slots,
             NoiseSource(self.root, secure_rng, rank),
@@ -165,6 +168,12 @@ class EDPEngine:
             return self.distributed.shard(self.dataset_size)
         rank, world = self.distributed.rank, self.world_size
         return [i for i, slot in enumerate(self.slot_table) if slot % world == rank]
+
+    def verify(self, make_batch=None, loss_fn=None, **options) -> None:
+        """The start-up probe (``dptext.privacy.edp_probe``): per-slot clipping against brute-force autograd on
+        synthetic inputs (``make_batch(B, T, generator)``, ``loss_fn(model, batch)`` as for PrivacyEngine)."""
+        probe_edp(self, make_batch, loss_fn, **options)
+        self.verified = True
 
     # ------------------------------------------------------------------ the training step
     def clipping_units(self, indices: list[int]) -> list[list[int]]:

@@ -22,11 +22,14 @@ Clipping modes (same clipped sums, different cost):
 Fail closed (docs/privacy_engine.md): ``verify()`` runs the synthetic start-up probe against brute-force
 autograd; every step the records must cover exactly the planned parameters (``replan()`` after changing what is
 trained) and the clipped sums must satisfy the per-step invariant, or the step stops before the update.
+
+Modules: ``plan`` (which layers, which rules), ``clipped_step`` (one micro-batch in each mode), ``step_checks``
+and ``outside_reads`` (the every-step checks), ``verify`` and ``probe_checks`` (the start-up probe),
+``optimizer`` (noise once per logical step).
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
 from typing import Any, Callable
 
 import torch
@@ -34,13 +37,15 @@ from torch import Tensor, nn
 
 from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsilon
 from dptext.errors import UserError
-from dptext.privacy import clipping
 from dptext.privacy.capture import UseRecorder
+from dptext.privacy.clipped_step import clip_recorded, exact_arithmetic, ghost_backward
 from dptext.privacy.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.outside_reads import OutsideReads
 from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names, _sampling_numbers,
                                  find_tracked_modules, unproven_rules)
 from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
+from dptext.privacy.step_checks import check_trainable_set, parameter_names
 from dptext.privacy.verify import probe as verify_probe
 
 CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
@@ -104,7 +109,7 @@ class PrivacyEngine:
                                         self.expected_batch_size, NoiseSource(self.root, secure_rng, self.rank),
                                         reduce=self.distributed.all_reduce_sum if self.distributed else None,
                                         adds_noise=self.distributed is None or self.distributed.rank == 0)
-        self.dp_optimizer.param_names = self._param_names()
+        self.dp_optimizer.param_names = self.param_names()
 
     def _plan(self) -> None:
         """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
@@ -114,16 +119,20 @@ class PrivacyEngine:
                                          for name in names))
         if not self.params:
             raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
-        _check_optimizer(self.optimizer, self.params, self._param_names())
+        _check_optimizer(self.optimizer, self.params, self.param_names())
         self.unproven = unproven_rules(self.model, self.tracked)
+        # ghost mode's second pass is autograd over every path: check each step that there is no other one
+        # (installed before the recorder, which takes its hooks as the planned ones)
+        self.outside_reads = OutsideReads(self.model, self.tracked if self.clipping_mode == "ghost" else {})
         self.recorder = UseRecorder(self.model, self.tracked, keep_outputs=self.clipping_mode == "ghost",
                                     names=self.names)
         if self.clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
             for param in self.params:
                 param.requires_grad_(False)
 
-    def _param_names(self) -> dict[nn.Parameter, str]:
-        return {param: name for name, param in self.model.named_parameters(remove_duplicate=False)}
+    def param_names(self) -> dict[nn.Parameter, str]:
+        """Each parameter's dotted name in the model (for messages)."""
+        return parameter_names(self.model)
 
     def replan(self, verify: bool = True, make_batch=None, loss_fn=None) -> None:
         """Re-plan after the trainable set changed (a layer unfrozen, a head replaced, ``add_param_group``).
@@ -133,13 +142,14 @@ class PrivacyEngine:
         if self.dp_optimizer.summed:
             raise UserError("replan() was called in the middle of a logical batch; call it after step().")
         self.recorder.remove()
+        self.outside_reads.remove()
         if self.clipping_mode != "ghost":  # give autograd back what the old plan took, if still in the model
             in_model = set(self.model.parameters())
             for param in self.params:
                 param.requires_grad_(param in in_model)
         self._plan()
         self.dp_optimizer.params = self.params
-        self.dp_optimizer.param_names = self._param_names()
+        self.dp_optimizer.param_names = self.param_names()
         self.verified = False
         if verify:
             old_batch, old_loss = self._probe_args or (None, None)
@@ -158,47 +168,8 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ the training step
 
-    @contextmanager
     def _exact_arithmetic(self):
-        """Norms and clipped sums in the engine's own precision: no graph, no recording, and no autocast even when
-        ``step`` is called inside an autocast region (it would run the norms' matmuls in bf16)."""
-        with ExitStack() as stack:
-            stack.enter_context(torch.no_grad())
-            stack.enter_context(self.recorder.paused())
-            for device_type in sorted({p.device.type for p in self.params}):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-            yield
-
-    def _clip_and_sum(self, uses) -> Tensor:
-        with self._exact_arithmetic():
-            return self._clip_and_sum_uses(uses)
-
-    def _clip_and_sum_uses(self, uses) -> Tensor:
-        if self.clipping_mode == "bookkeeping":
-            norms_sq = clipping.norm_sq_per_parameter(uses)
-            coef, norms = self._coefficients(norms_sq)
-            sums = clipping.clipped_sums(uses, coef)
-        else:
-            grads = clipping.per_example_grads(uses)
-            norms_sq = clipping.norm_sq_from_per_example(grads)
-            coef, norms = self._coefficients(norms_sq)
-            sums = clipping.clipped_sums_from_per_example(grads, coef)
-        self._add_checked(sums, norms_sq, norms, uses[0].batch_size)
-        return norms
-
-    def _add_checked(self, sums, norms_sq, norms, units: int) -> None:
-        """The per-step invariant, then the sums join the logical batch; a violation writes nothing."""
-        self.last_norms_sq = norms_sq if self.recorder.probing else None
-        problem = clipping.check_clipped_sums(sums, norms, units, self.max_grad_norm, self.clipping_layout,
-                                              len(self.params))
-        if problem is not None:
-            self.dp_optimizer.zero_grad()
-            param, why = problem
-            name = self._param_names().get(param, "?") if param is not None else "(no parameter)"
-            raise UserError(f"The per-step privacy check failed at parameter '{name}' ({why}); nothing from this "
-                            "batch was applied — lower the learning rate if training diverged, else report this "
-                            "engine bug and use clipping_mode='per_sample' meanwhile.")
-        self.dp_optimizer.add_clipped_sums(sums, units)
+        return exact_arithmetic(self)
 
     def accumulate(self, per_example_loss: Tensor) -> Tensor:
         """Backward pass for one (micro-)batch: adds its clipped per-example gradients to the logical batch.
@@ -214,11 +185,9 @@ class PrivacyEngine:
             raise UserError("The loss does not depend on any trainable layer; check that the model forward "
                             "ran with gradients enabled after the engine was created.")
         if self.clipping_mode == "ghost":
-            norms = self._ghost_backward(per_example_loss)
-        else:
-            per_example_loss.sum().backward()
-            norms = self._clip_and_sum(self._uses_for(per_example_loss))
-        return norms
+            return ghost_backward(self, per_example_loss)
+        per_example_loss.sum().backward()
+        return clip_recorded(self, per_example_loss)
 
     def step(self, per_example_loss: Tensor | None = None) -> None:
         """One logical DP step: optionally ``accumulate(per_example_loss)``, then noise once and update.
@@ -226,77 +195,21 @@ class PrivacyEngine:
         Calling it with nothing accumulated is the step of an empty Poisson batch: noise only."""
         if per_example_loss is not None:
             self.accumulate(per_example_loss)
-        self._check_trainable_set()
+        check_trainable_set(self)
         self.dp_optimizer.step()
         self.steps += 1
         if self._record_step is not None:
             self._record_step(sample_rate=self.sample_rate, noise_multiplier=self.noise_multiplier)
 
-    def _check_trainable_set(self) -> None:
-        """Every parameter the model would train must be in this plan (gradual unfreezing, a replaced head)."""
-        planned = set(self.params)
-        for name, param in self.model.named_parameters():
-            if param.requires_grad and param not in planned:
-                self.dp_optimizer.zero_grad()
-                raise UserError(f"Parameter '{name}' became trainable after the privacy engine planned its "
-                                "clipping, so it has no clipped gradient; call engine.replan() after changing "
-                                "what is trained (it re-runs the probe), or freeze it.")
-
     def zero_grad(self) -> None:
         """Drop what was accumulated for the current logical batch."""
         self.dp_optimizer.zero_grad()
         self.recorder.take_uses()
+        self.outside_reads.clear()
 
     def clipped_grads(self) -> dict[nn.Parameter, Tensor]:
         """The clipped sums accumulated so far in this logical batch, before noise (for tests and debugging)."""
         return dict(self.dp_optimizer.summed)
-
-    def _uses_for(self, per_example_loss: Tensor):
-        uses = self.recorder.take_uses()
-        if not uses:
-            raise UserError("No trainable layer received a gradient; was the model called with the engine's hooks "
-                            "(not under torch.no_grad) before this step?")
-        for use in uses:
-            name = self.names.get(use.module, type(use.module).__name__)
-            if use.problem:
-                raise UserError(f"Layer '{name}' ({type(use.module).__name__}) cannot be clipped exactly: "
-                                f"{use.problem}; freeze it, train it through LoRA, or change the model.")
-            if not self.recorder.probing and self.recorder.hooks_changed(use.module):
-                raise UserError(f"Forward hooks of layer '{name}' changed after the privacy engine planned its "
-                                "clipping; call engine.replan() (it re-runs the probe) after adding hooks.")
-            if use.module in self.unproven and use.module not in self.recorder.verified and not self.recorder.probing:
-                raise UserError(f"Layer '{name}' ({type(use.module).__name__}) needs the start-up probe because "
-                                f"{self.unproven[use.module]}; run engine.verify() (privacy.verify) or freeze it.")
-        wrong = [use for use in uses if use.batch_size != len(per_example_loss)]
-        if wrong:
-            layer = self.recorder.names.get(wrong[0].module, type(wrong[0].module).__name__)
-            raise UserError(f"Layer '{layer}' ({type(wrong[0].module).__name__}) saw {wrong[0].batch_size} rows but "
-                            f"the loss has {len(per_example_loss)} examples, so its rows are not examples (tokens "
-                            "gathered or flattened across the batch, or a second forward pass); freeze it, or run "
-                            "one forward pass per accumulate/step call.")
-        return uses
-
-    def _coefficients(self, norms_sq):
-        return clipping.clip_coefficients(norms_sq, self.max_grad_norm, self.clipping_layout, len(self.params))
-
-    def _ghost_backward(self, per_example_loss: Tensor) -> Tensor:
-        # Pass 1 differentiates only down to the recorded layer outputs: no weight gradients are formed.
-        torch.autograd.grad(per_example_loss.sum(), self.recorder.outputs(), retain_graph=True, allow_unused=True)
-        uses = self._uses_for(per_example_loss)
-        with self._exact_arithmetic():
-            norms_sq = clipping.norm_sq_per_parameter(uses)
-            coef, norms = self._coefficients(norms_sq)
-        for use in uses:  # pass 2 needs none of them; the retained graph would keep them alive
-            use.release()
-        del uses
-        for param in self.params:
-            param.grad = None
-        (per_example_loss * next(iter(coef.values())).detach()).sum().backward()
-        sums = {param: param.grad for param in self.params if param.grad is not None}
-        for param in self.params:
-            param.grad = None
-        self._add_checked(sums, norms_sq, norms, len(per_example_loss))
-        return norms
 
     # ------------------------------------------------------------------ sampling and accounting
 
@@ -354,5 +267,6 @@ class PrivacyEngine:
     def detach(self) -> None:
         """Remove the hooks and give the parameters back to autograd."""
         self.recorder.remove()
+        self.outside_reads.remove()
         for param in self.params:
             param.requires_grad_(True)

@@ -31,6 +31,6 @@ def check_model(name: str, head: str = "causal_lm", clipping_mode: str = "bookke
         return {**result, "verdict": "refused", "why": str(error), "seconds": 0.0, "loss": None, "layers": []}
     report = probe(engine)  # not engine.verify(): the table is wanted even when the probe refuses
     engine.detach()
-    verdict = "refused" if report.refused() or report.loss_problem else "exact"
+    verdict = "refused" if report.refused() or report.loss_problem or report.state_problem else "exact"
     return {**result, "verdict": verdict, "seconds": round(report.seconds, 2), "loss": report.loss_problem,
-            "layers": report.table()}
+            "state": report.state_problem, "layers": report.table()}

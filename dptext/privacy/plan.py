@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from dptext.errors import UserError
 from dptext.privacy.norms import find_child_rules, find_rule
@@ -77,8 +78,6 @@ def unproven_rules(model: nn.Module, tracked: dict[nn.Module, Any]) -> dict[nn.M
     numerically; what it cannot see is an instance whose ``forward`` was replaced and foreign forward hooks
     (a pre-hook rewrites the input, a hook registered with prepend=True rewrites the output before ours). Hooks are found through
     ``Module._forward_hooks`` and friends: torch has no public way to list them."""
-    from torch.nn.modules import module as torch_module
-
     global_hooks = bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
     unproven = {}
     for module, (rule, _) in tracked.items():

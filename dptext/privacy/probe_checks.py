@@ -168,25 +168,30 @@ def compare(engine, report, reference: list[list[Tensor]], norms_sq, sums) -> No
             report.rows[module].status = "exact"
 
 
-def perturbed(batch: dict[str, Tensor], example: int) -> dict[str, Tensor]:
-    """The batch with ``example``'s unpadded tokens re-drawn."""
-    ids = batch["input_ids"].clone()
-    generator = torch.Generator().manual_seed(99 + example)
-    fresh = torch.randint(1, max(2, int(ids.max()) + 1), ids[example].shape, generator=generator).to(ids)
-    ids[example] = torch.where(ids[example] != 0, fresh, ids[example])
-    return {**batch, "input_ids": ids}
+def with_row(batch: dict[str, Any], fresh: dict[str, Any], example: int) -> dict[str, Any]:
+    """``batch`` with ``example``'s row of every per-example tensor (first dimension = the examples) taken from
+    ``fresh``, another synthetic batch of the same shape: tokens, lengths and labels of that example re-drawn."""
+    examples = next(iter(v for v in batch.values() if isinstance(v, Tensor))).shape[0]
+    out = dict(batch)
+    for key, value in batch.items():
+        other = fresh.get(key)
+        if isinstance(value, Tensor) and isinstance(other, Tensor) and value.ndim and value.shape[0] == examples \
+                and other.shape == value.shape:
+            out[key] = value.clone()
+            out[key][example] = other[example]
+    return out
 
 
 def others(loss: Tensor, example: int) -> Tensor:
     return torch.arange(len(loss), device=loss.device) != example
 
 
-def check_loss_independence(engine, report, batch, loss_fn, device, loss) -> None:
+def check_loss_independence(engine, report, redraw, loss_fn, device, loss) -> None:
     """Re-draw each example's tokens in turn: every other example's loss must stay put (checked without the
     hooks). Every example, not one: a router that picks tokens by score lets only some examples move others."""
     for example in range(len(loss)):
         with torch.no_grad(), engine.recorder.paused(), same_randomness(device):
-            other = loss_fn(engine.model, perturbed(batch, example))
+            other = loss_fn(engine.model, redraw(example))
         keep = others(loss, example)
         if other.shape != loss.shape or not torch.allclose(other[keep], loss[keep], rtol=1e-9, atol=1e-12):
             report.loss_problem = ("changing one example changed another example's loss, so examples interact "
@@ -195,14 +200,14 @@ def check_loss_independence(engine, report, batch, loss_fn, device, loss) -> Non
             return
 
 
-def check_row_independence(engine, report, batch, loss_fn, device, loss, rows_before) -> None:
+def check_row_independence(engine, report, redraw, loss_fn, device, loss, rows_before) -> None:
     """Re-draw each example's tokens in turn: every other row of every recorded input must stay put (rows are
     examples)."""
     engine.recorder.take_uses()
     engine.recorder.probing = True
     for example in range(len(loss)):
         with same_randomness(device):
-            loss_fn(engine.model, perturbed(batch, example))
+            loss_fn(engine.model, redraw(example))
         changed_uses = list(engine.recorder.uses)
         engine.recorder.take_uses()
         keep = others(loss, example)
@@ -220,15 +225,38 @@ def _first_tensor(activation: Any) -> Tensor | None:
     return value if isinstance(value, Tensor) else None
 
 
-def probe_one(engine, report, batch, loss_fn, device, perturb: bool) -> None:
+def buffer_snapshot(model: nn.Module) -> dict[str, Tensor]:
+    return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+
+
+def changed_buffer(model: nn.Module, before: dict[str, Tensor]) -> str | None:
+    """The first buffer a training forward changed since ``before`` (running statistics), else None."""
+    for name, value in model.named_buffers():
+        if name not in before or value.shape != before[name].shape or not torch.equal(value, before[name]):
+            return name
+    return None
+
+
+BUFFER_CHANGED = ("buffer '{}': a training forward changes it (running statistics), so it is computed from the "
+                  "private batches and released with the model without noise; put that layer in eval mode or "
+                  "remove it")
+
+
+def probe_one(engine, report, batch, loss_fn, device, redraw) -> None:
+    """One synthetic batch; ``redraw(j)`` gives it with example j re-drawn (None: one example, nothing to check)."""
+    before = buffer_snapshot(engine.model)
     loss_ref, reference = reference_gradients(engine, batch, loss_fn, device)
+    changed = changed_buffer(engine.model, before)
+    if changed is not None:
+        report.state_problem = BUFFER_CHANGED.format(changed)
+        return
     examples = batch["input_ids"].shape[0] if "input_ids" in batch else len(loss_ref)
     if loss_ref.ndim != 1 or len(loss_ref) != examples:
         report.loss_problem = (f"the loss has shape {tuple(loss_ref.shape)} for {examples} examples; return one "
                                "loss per example (dptext.privacy.per_example_loss)")
         return
-    if perturb and "input_ids" in batch:
-        check_loss_independence(engine, report, batch, loss_fn, device, loss_ref)
+    if redraw is not None:
+        check_loss_independence(engine, report, redraw, loss_fn, device, loss_ref)
         if report.loss_problem:
             return
     forward = engine_forward(engine, report, batch, loss_fn, device)
@@ -246,5 +274,5 @@ def probe_one(engine, report, batch, loss_fn, device, perturb: bool) -> None:
     norms_sq, sums = engine.last_norms_sq, engine.clipped_grads()
     engine.zero_grad()
     compare(engine, report, reference, norms_sq, sums)
-    if perturb and "input_ids" in batch:
-        check_row_independence(engine, report, batch, loss_fn, device, loss_ref, rows_before)
+    if redraw is not None:
+        check_row_independence(engine, report, redraw, loss_fn, device, loss_ref, rows_before)

@@ -1,15 +1,18 @@
 """The start-up verification probe: the engine against brute-force per-example autograd on synthetic inputs.
 
 Nothing here touches private data: the probe feeds random token ids within the vocabulary (unequal lengths,
-right padding), so it costs no privacy. For each probe shape (B ≠ T, then B = T) it
+right padding) — or a task's own synthetic batch (``task.probe_batch``) with the task's loss — so it costs no
+privacy. For each probe shape (B ≠ T, then B = T) it
 1. runs the model without the engine's hooks, with every planned parameter requiring grad, and takes each
-   example's gradient by its own autograd pass (fp64 where the model converts) — the reference;
+   example's gradient by its own autograd pass (fp64 where the model converts) — the reference; that forward must
+   change no buffer of the model (running statistics would be released without noise);
 2. runs the same forward with the hooks (same dropout masks) and checks, per layer, what would make the rules
    wrong: an output modified in place, rows that are not one example each, a broadcast of a batch-1 input that
    changes the forward, a tracked weight read outside its module (a functional use or a second module);
 3. lets the engine produce its per-parameter norms and clipped sums and compares them with the reference;
-4. re-draws one example's tokens: every other example's loss and every other row of every recorded input must
-   stay put (the loss is per example and the rows are examples), and the loss has one entry per example.
+4. re-draws one example (its row of every tensor of the batch): every other example's loss and every other row
+   of every recorded input must stay put (the loss is per example and the rows are examples), and the loss has
+   one entry per example.
 Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first into one sentence.
 """
 
@@ -24,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.probe_checks import probe_one
+from dptext.privacy.probe_checks import probe_one, with_row
 
 PROBE_SHAPES = ((3, 5), (4, 4))  # (examples, positions): B ≠ T, then B = T
 
@@ -42,6 +45,7 @@ class LayerRow:
 class ProbeReport:
     rows: dict[nn.Module, LayerRow]
     loss_problem: str | None = None
+    state_problem: str | None = None  # model state a training forward changes (released without noise)
     seconds: float = 0.0
     shapes: tuple = PROBE_SHAPES
     notes: list[str] = field(default_factory=list)
@@ -60,6 +64,8 @@ class ProbeReport:
     def raise_if_refused(self) -> None:
         if self.loss_problem:
             raise UserError(f"The start-up probe refused the loss: {self.loss_problem}.")
+        if self.state_problem:
+            raise UserError(f"The start-up probe refused {self.state_problem}.")
         for row in self.refused():
             raise UserError(f"The start-up probe refused layer '{row.name}' ({row.kind}): {row.why}; freeze it, "
                             "train it through LoRA, or try another clipping_mode (`dptext check --model` lists "
@@ -75,13 +81,30 @@ def synthetic_token_batch(model: nn.Module) -> Callable[[int, int, torch.Generat
                         "engine.verify() or set privacy.verify=false (not recommended).")
 
     def make_batch(examples: int, positions: int, generator: torch.Generator) -> dict[str, Tensor]:
-        ids = torch.randint(1, vocab, (examples, positions), generator=generator)
-        lengths = torch.randint(max(1, positions // 2), positions + 1, (examples,), generator=generator)
-        lengths[0] = positions
-        mask = (torch.arange(positions)[None, :] < lengths[:, None]).long()
-        return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+        return random_token_batch(vocab, generator, examples, positions)
 
     return make_batch
+
+
+def random_token_batch(vocab: int, generator: torch.Generator, examples: int, positions: int) -> dict[str, Tensor]:
+    """Ids in [1, vocab), right-padded with 0 to unequal lengths; the first example is full length, so the shape
+    is (examples, positions) whatever the draw."""
+    ids = torch.randint(1, max(vocab, 2), (examples, positions), generator=generator)
+    lengths = torch.randint(max(1, positions // 2), positions + 1, (examples,), generator=generator)
+    lengths[0] = positions
+    mask = (torch.arange(positions)[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def synthetic_batches(make_batch, examples: int, positions: int, number: int, device):
+    """The probe's batch of this shape and its ``redraw(j)``: the batch with example j's row of every tensor
+    taken from another synthetic batch of the same shape (to check that examples do not interact)."""
+    def draw(seed: int) -> dict[str, Tensor]:
+        fresh = make_batch(examples, positions, torch.Generator().manual_seed(seed))
+        return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in fresh.items()}
+
+    batch = draw(number)
+    return batch, lambda example: with_row(batch, draw(1000 * (number + 1) + example), example)
 
 
 def output_functional_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -142,9 +165,8 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
     def run_probes(precision) -> None:
         with probe_precision(model, precision):
             for number, (examples, positions) in enumerate(shapes):
-                generator = torch.Generator().manual_seed(number)
-                batch = {k: v.to(device) for k, v in make_batch(examples, positions, generator).items()}
-                probe_one(engine, report, batch, loss_fn, device, perturb=examples > 1)
+                batch, redraw = synthetic_batches(make_batch, examples, positions, number, device)
+                probe_one(engine, report, batch, loss_fn, device, redraw if examples > 1 else None)
 
     try:
         try:
@@ -155,9 +177,13 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
             engine.zero_grad()
             for row in report.rows.values():
                 row.status, row.why = "not reached", ""
-            report.loss_problem = None
+            report.loss_problem = report.state_problem = None
             report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
             run_probes(None)
+    except (ValueError, KeyError) as error:  # the synthetic batch lacks an input the model needs (T5's decoder ids)
+        raise UserError(f"The start-up probe could not run this model on its synthetic batch ({type(error).__name__} "
+                        "in the forward); pass make_batch and loss_fn that fit the model to engine.verify(), or use "
+                        "a task that builds its own probe batch.") from error
     finally:
         model.train(was_training)
         engine.recorder.probing = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
+from dptext.errors import UserError
 from dptext.models import load_model
 from dptext.tasks.encoding import Example, pad_batch
 
@@ -49,6 +50,14 @@ class Task(ABC):
     @abstractmethod
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
         """A (B,) tensor: each example's loss over its own tokens only."""
+
+    def probe_batch(self, model: Any, generator: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
+        """SYNTHETIC inputs in this task's batch format (random ids and labels, never a record; see
+        ``dptext.tasks.probe_batches``), on which the privacy engine's start-up probe checks the engine against
+        brute-force autograd with ``per_example_loss``. Every task the recipes can name overrides it."""
+        raise UserError(f"{type(self).__name__} gives the privacy engine's start-up probe no synthetic batch, so "
+                        "its loss cannot be verified; add probe_batch to the task (or set privacy.verify=false "
+                        "at your own risk).")
 
     @abstractmethod
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,

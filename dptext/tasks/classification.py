@@ -23,6 +23,7 @@ from dptext.tasks.base import Task, batches
 from dptext.tasks.encoding import IGNORE_INDEX, Example
 from dptext.tasks.label_sets import check_records, class_index, declared_classes, other_index
 from dptext.tasks.pooling import MeanPoolingClassifier
+from dptext.tasks.probe_batches import random_labels, token_batch, vocab_size
 
 
 class ClassificationTask(Task):
@@ -90,6 +91,11 @@ class ClassificationTask(Task):
     def logits(self, model: Any, batch: dict[str, Any]):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         return model(**inputs).logits
+
+    def probe_batch(self, model: Any, generator: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
+        batch = token_batch(vocab_size(model), generator, batch_size, seq_len)
+        batch["labels"] = random_labels(generator, self.num_labels, (batch_size,))
+        return batch
 
     def per_example_loss(self, model: Any, batch: dict[str, Any]):
         return per_example_loss(self.logits(model, batch), batch["labels"])

@@ -16,6 +16,7 @@ from dptext.errors import UserError
 from dptext.tasks.base import Task
 from dptext.tasks.classification import ClassificationTask
 from dptext.tasks.encoding import Example
+from dptext.tasks.probe_batches import mask_one_position
 
 SENTIMENT = ("<S1> It was [MASK] .", ("terrible", "great"))  # label 0 = negative, 1 = positive
 TEMPLATES = {
@@ -115,6 +116,11 @@ class InfillingTask(ClassificationTask):
     def collate(self, examples: Sequence[Example]) -> dict[str, Any]:
         batch = super().collate(examples)
         batch["mask_position"] = torch.tensor([e.extra["mask_position"] for e in examples], dtype=torch.long)
+        return batch
+
+    def probe_batch(self, model: Any, generator: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
+        batch = super().probe_batch(model, generator, batch_size, seq_len)
+        mask_one_position(batch, self.tokenizer.mask_token_id, generator)
         return batch
 
     def logits(self, model: Any, batch: dict[str, Any]):

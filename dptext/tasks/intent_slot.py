@@ -36,6 +36,7 @@ from dptext.tasks.clc import SIZES as CLC_SIZES, build_clc
 from dptext.tasks.crf import CRF
 from dptext.tasks.encoding import IGNORE_INDEX, Example
 from dptext.tasks.label_sets import check_records, declared_intents_and_tags, other_index
+from dptext.tasks.probe_batches import char_ids, random_labels, token_batch, vocab_size, word_tag_fields
 
 HEADS_FILE = "intent_slot_heads.pt"
 LABELS_FILE = "intent_slot_labels.json"
@@ -211,6 +212,15 @@ class IntentSlotTask(Task):
         if self.reduction == "mean":
             nll = nll / known.sum(dim=1).clamp(min=1)
         return loss + nll
+
+    def probe_batch(self, model: Any, generator: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
+        """Synthetic words (one per position) with random intents and tags; the CLC encoder also gets characters."""
+        batch = token_batch(vocab_size(model), generator, batch_size, seq_len)
+        batch["intent"] = random_labels(generator, len(self.intents), (batch_size,))
+        word_tag_fields(batch, len(self.tags), generator)
+        if self.clc:
+            batch["char_ids"] = char_ids(batch, model.config.char_vocab, generator)
+        return batch
 
     def predict(self, model: Any, batch: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         """Intent names and word-level tag names (as many as the batch has words per example)."""

@@ -19,6 +19,7 @@ from dptext.tasks import text_format
 from dptext.tasks.base import Task, batches
 from dptext.tasks.encoding import Example, encode_prompt_completion
 from dptext.tasks.generation import generate_completions
+from dptext.tasks.probe_batches import language_model_batch, vocab_size
 
 
 class LanguageModelingTask(Task):
@@ -42,6 +43,12 @@ class LanguageModelingTask(Task):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return per_example_loss(logits, batch["labels"], batch["attention_mask"], shift=True,
                                 reduction=self.reduction)
+
+    def probe_batch(self, model: Any, generator: Any, batch_size: int, seq_len: int) -> dict[str, Any]:
+        return language_model_batch(self.probe_vocab(model), generator, batch_size, seq_len)
+
+    def probe_vocab(self, model: Any) -> int:
+        return vocab_size(model)
 
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
                  on_progress: Callable[[int], None] | None = None) -> dict[str, float]:

@@ -1,0 +1,121 @@
+"""Every step in ghost mode: no tracked parameter is read outside the modules that own it (issue 14, pattern 3).
+
+Ghost clipping takes each example's norm from the recorded layer calls (first backward pass) but its clipped sum
+from autograd (second pass), which follows *every* path to a parameter. A parameter also read outside the modules
+that own it — ``F.linear(h, self.embed.weight)`` as an LM head, a weight read by a second module through an
+attribute, plain functional code — adds a path the norms miss, so examples would be clipped by too small a norm.
+
+The check is structural and cheap (no extra pass, no numbers from the batch). Autograd numbers the nodes it
+creates in creation order (``Node._sequence_nr``). A forward pre-hook and a forward hook on every tracked module
+bracket each call with two such numbers (the call's *window*). Before the first backward pass the graph is walked
+once from the loss: every node that reads a tracked parameter — has an edge into its ``AccumulateGrad``, or into
+a cast / view / transpose of it (autocast caches a weight's cast across calls) — must have been created inside a
+window of a module that owns the parameter; the first one that was not stops the step, naming the parameter.
+The walk visits each node once: O(nodes of the graph) Python work.
+
+Book-keeping and per_sample take the parameters out of autograd (``requires_grad=False``), so such a read gets no
+gradient at all and no ``AccumulateGrad`` to find. That is a dropped path, not a leak: norms and clipped sums are
+formed from the same recorded calls, so each example still contributes at most C (docs/privacy_engine.md). The
+start-up probe refuses it in every mode (the norms differ from brute-force autograd, and its TorchFunctionMode
+sees the read).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def _accumulate_grad_type() -> type:
+    leaf = torch.zeros((), requires_grad=True)
+    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])
+
+
+ACCUMULATE_GRAD = _accumulate_grad_type()
+# Backward nodes of ops that only re-express one tensor (no other input, no arithmetic with activations)
+RE_EXPRESSIONS = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                  "UnsafeViewBackward0", "AliasBackward0", "ExpandBackward0", "ReshapeAliasBackward0"}
+
+
+class OutsideReads:
+    """Records each tracked module call's window of autograd sequence numbers; ``outside_read(loss)`` walks the
+    graph (see the module docstring). Install with ``install()``, remove with ``remove()``."""
+
+    def __init__(self, model: nn.Module, tracked: dict[nn.Module, tuple[Any, tuple[str, ...]]]):
+        self.owners: dict[nn.Parameter, list[nn.Module]] = {}
+        for module, (_, names) in tracked.items():
+            for name in names:
+                self.owners.setdefault(module.get_parameter(name), []).append(module)
+        self.windows: dict[nn.Module, list[tuple[int, int]]] = {}
+        self._open: list[int] = []
+        self._marker = torch.zeros((), requires_grad=True)
+        self._handles = [model.register_forward_pre_hook(self._on_model_call)]
+        for module in tracked:
+            self._handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self.clear()
+
+    def clear(self) -> None:
+        self.windows, self._open = {}, []
+
+    def _now(self) -> int | None:
+        """The next sequence number autograd will hand out (a throwaway node takes the current one); None inside a
+        torch.func transform (the engine's own per-example replay), which builds no graph the walk would see."""
+        node = self._marker.view_as(self._marker).grad_fn
+        return None if node is None else node._sequence_nr()
+
+    def _on_model_call(self, module: nn.Module, args: tuple) -> None:
+        self.clear()  # windows of earlier forwards cannot hold nodes of this one (numbers only grow)
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            self._open.append(self._now())
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:  # returns None: output unchanged
+        if torch.is_grad_enabled() and self._open:
+            start, end = self._open.pop(), self._now()
+            if start is not None and end is not None:
+                self.windows.setdefault(module, []).append((start, end))
+
+    def outside_read(self, loss: Tensor) -> nn.Parameter | None:
+        """The first tracked parameter read by a node created outside every window of its owners, else None."""
+        root = loss.grad_fn
+        if root is None:
+            return None
+        allowed = {param: [w for m in owners for w in self.windows.get(m, ())] for param, owners in self.owners.items()}
+        sources: dict[Any, nn.Parameter | None] = {}
+        seen, stack = {root}, [root]
+        while stack:
+            node = stack.pop()
+            for child, _ in node.next_functions:
+                if child is None:
+                    continue
+                param = self._source(child, sources)
+                if param is not None:
+                    number = node._sequence_nr()
+                    if not any(start < number < end for start, end in allowed[param]):
+                        return param
+                elif child not in seen and type(child) is not ACCUMULATE_GRAD:
+                    seen.add(child)
+                    stack.append(child)
+        return None
+
+    def _source(self, node: Any, sources: dict) -> nn.Parameter | None:
+        """The tracked parameter that ``node`` only re-expresses (its AccumulateGrad, or a cast, view or transpose
+        of it), else None. Casts count because autocast caches a weight's cast: a read outside the module reuses
+        the cast node made inside it, so the reader is whoever reads the cast."""
+        if node not in sources:
+            if type(node) is ACCUMULATE_GRAD:
+                sources[node] = node.variable if node.variable in self.owners else None
+            elif type(node).__name__ in RE_EXPRESSIONS and len(node.next_functions) == 1 \
+                    and node.next_functions[0][0] is not None:
+                sources[node] = self._source(node.next_functions[0][0], sources)
+            else:
+                sources[node] = None
+        return sources[node]

@@ -1,0 +1,70 @@
+"""The engine's fail-closed checks at every step (docs/privacy_engine.md "Fail closed", points 2 and 3).
+
+Each stops the step before anything from the batch joins the logical batch, with one sentence naming the layer or
+parameter: uses that cannot be trusted (rows that are not examples, outputs changed in place, foreign hooks added
+after the plan, rules still unproven by the probe), a trainable set that changed after the plan, and the per-step
+invariant on the clipped sums. Messages never carry a value from the batch: these checks run on private data.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from dptext.errors import UserError
+from dptext.privacy import clipping
+
+
+def checked_uses(engine, per_example_loss: Tensor) -> list:
+    """The uses recorded for ``per_example_loss``'s forward pass, each one checked (see the module docstring)."""
+    recorder = engine.recorder
+    uses = recorder.take_uses()
+    if not uses:
+        raise UserError("No trainable layer received a gradient; was the model called with the engine's hooks "
+                        "(not under torch.no_grad) before this step?")
+    for use in uses:
+        name = engine.names.get(use.module, type(use.module).__name__)
+        if use.problem:
+            raise UserError(f"Layer '{name}' ({type(use.module).__name__}) cannot be clipped exactly: "
+                            f"{use.problem}; freeze it, train it through LoRA, or change the model.")
+        if not recorder.probing and recorder.hooks_changed(use.module):
+            raise UserError(f"Forward hooks of layer '{name}' changed after the privacy engine planned its "
+                            "clipping; call engine.replan() (it re-runs the probe) after adding hooks.")
+        if use.module in engine.unproven and use.module not in recorder.verified and not recorder.probing:
+            raise UserError(f"Layer '{name}' ({type(use.module).__name__}) needs the start-up probe because "
+                            f"{engine.unproven[use.module]}; run engine.verify() (privacy.verify) or freeze it.")
+    wrong = [use for use in uses if use.batch_size != len(per_example_loss)]
+    if wrong:
+        layer = recorder.names.get(wrong[0].module, type(wrong[0].module).__name__)
+        raise UserError(f"Layer '{layer}' ({type(wrong[0].module).__name__}) saw {wrong[0].batch_size} rows but "
+                        f"the loss has {len(per_example_loss)} examples, so its rows are not examples (tokens "
+                        "gathered or flattened across the batch, or a second forward pass); freeze it, or run "
+                        "one forward pass per accumulate/step call.")
+    return uses
+
+
+def check_invariant(engine, sums, norms: Tensor, units: int) -> None:
+    """The per-step invariant (``clipping.check_clipped_sums``); a violation drops the logical batch."""
+    problem = clipping.check_clipped_sums(sums, norms, units, engine.max_grad_norm, engine.clipping_layout,
+                                          len(engine.params))
+    if problem is not None:
+        engine.dp_optimizer.zero_grad()
+        param, why = problem
+        name = engine.param_names().get(param, "?") if param is not None else "(no parameter)"
+        raise UserError(f"The per-step privacy check failed at parameter '{name}' ({why}); nothing from this "
+                        "batch was applied — lower the learning rate if training diverged, else report this "
+                        "engine bug and use clipping_mode='per_sample' meanwhile.")
+
+
+def check_trainable_set(engine) -> None:
+    """Every parameter the model would train must be in this plan (gradual unfreezing, a replaced head)."""
+    planned = set(engine.params)
+    for name, param in engine.model.named_parameters():
+        if param.requires_grad and param not in planned:
+            engine.dp_optimizer.zero_grad()
+            raise UserError(f"Parameter '{name}' became trainable after the privacy engine planned its "
+                            "clipping, so it has no clipped gradient; call engine.replan() after changing "
+                            "what is trained (it re-runs the probe), or freeze it.")
+
+
+def parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    return {param: name for name, param in model.named_parameters(remove_duplicate=False)}
