@@ -26,19 +26,13 @@ KNOWN_REFUSED = {
     "qwen2_moe": "experts and router see tokens gathered from many examples (no token→example map yet)",
     "deberta_v2": "its attention projections also read relative-position embeddings shared by the batch",
     "deberta_v2-cls": "its attention projections also read relative-position embeddings shared by the batch",
-    # The fail-closed engine refuses any tracked output changed in place (version counter). Falcon adds the
-    # residual into its MLP output (`+=`) and Longformer scales its query projection (`/=`); the gradient hooks
-    # would still see the right gradient there (they fire on the pre-modification value), so relaxing the check
-    # for outputs that are not autograd leaves would make both exact again — not yet done.
-    "falcon": "its MLP output is modified in place (`+=` of the residual)",
-    "longformer": "its query projection's output is scaled in place (`/=`)",
 }
 # Refused in one situation only: LoRA/DoRA adapters on OPT's fc1/fc2 (flattened B·T rows) and on Longformer's
 # projections (sequence-first); the row-layout rules cover those layers themselves, not adapters wrapped around them.
 KNOWN_REFUSED_SITUATIONS = {("opt", "lora"), ("opt", "dora"), ("longformer", "lora"), ("longformer", "dora")}
 # Situations crossed with every mode on a core set; with book-keeping on one model per special rule.
 CORE = ["gpt2", "llama", "bert", "t5"]
-SPECIAL = ["gemma", "falcon", "cohere", "bart", "mpnet", "opt", "longformer", "biogpt"]  # falcon, longformer: refused
+SPECIAL = ["gemma", "falcon", "cohere", "bart", "mpnet", "opt", "longformer", "biogpt"]
 SITUATION_NAMES = [s for s in SITUATIONS if s != "default"]
 SENTENCE_END = re.compile(r"[.;:] [A-Z]")  # a second sentence starts after this
 

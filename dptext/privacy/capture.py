@@ -14,8 +14,15 @@ Fail closed (SPEC §2 (a)–(c), docs/privacy_engine.md):
 * **Our hook runs first** (``prepend=True``) and binds keyword inputs to the forward's signature, so the recorded
   output is the one the weight produced, even when other hooks rewrite it afterwards; a module called with more
   inputs than its rule describes is refused unless the start-up probe verified it (``verified``).
-* **In-place changes** of a recorded output (``ReLU(inplace=True)``, ``out.mul_()``) bump its version counter;
-  the gradient hook compares it and the step stops naming the layer.
+* **In-place changes.** A gradient hook registered on a tensor before it is changed in place
+  (``ReLU(inplace=True)``, ``out.mul_()``, Falcon's ``+=``, Longformer's ``/=``) receives the gradient of the value
+  before the change, which is what the weight saw, so such changes are exact — provided the hook sits on the node
+  that produced the value. A layer's output is often a view (``F.linear`` on a (B, T, d) input returns a view of a
+  (B·T, p) matrix), and an in-place change of a view re-routes autograd around the view's node, so a hook there
+  would never fire and the use would silently vanish. The hook therefore goes on the view's base when the output is
+  a plain reshape of all of it (same elements, same order, produced by the node the view reads); an output that is
+  a view of anything else is refused if changed in place (version counter). The inputs the rule keeps share the
+  version counter of the call's inputs: an input changed in place after the layer read it stops the step.
 * A module fed a batch of one while the model's batch is larger (GPT-2 and BERT look up position embeddings
   for one row of position ids) has its input expanded to the whole batch so each example's output gradient stays
   its own; the probe checks that this leaves the forward unchanged (``expansions``).
@@ -36,8 +43,10 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 
-IN_PLACE = ("its output is modified in place after the layer returns it (an in-place ReLU, out.mul_(), += or /=), "
-            "so the recorded output gradient is not the one its weight saw")
+IN_PLACE = ("its output is a view of another tensor and is modified in place after the layer returns it, so "
+            "autograd bypasses the node the recorded gradient belongs to")
+INPUT_IN_PLACE = ("its input is modified in place after the layer read it, so the kept activation is not the one its "
+                  "weight saw")
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values")
 
 
@@ -53,7 +62,20 @@ class Use:
     released: bool = False
     problem: str | None = None  # why this use's gradient cannot be trusted (found during the pass)
     version: int = 0  # the output's version counter when the layer returned it
-    output_ref: Any = field(default=None, repr=False)
+    output_ref: Any = field(default=None, repr=False)  # set only for outputs that must not change in place
+    edge: Any = field(default=None, repr=False)  # where ghost clipping's first pass takes the output gradient
+    kept_versions: tuple = field(default=(), repr=False)  # (tensor, version) of what the rule kept
+
+    def in_place_problem(self) -> str | None:
+        """Why an in-place change makes this use's gradient untrustworthy (seen so far), or None."""
+        if self.problem in (IN_PLACE, INPUT_IN_PLACE):
+            return self.problem
+        output = self.output_ref() if self.output_ref is not None else None
+        if output is not None and output._version != self.version:
+            return IN_PLACE
+        if any(kept._version != version for kept, version in self.kept_versions):
+            return INPUT_IN_PLACE
+        return None
 
     def release(self) -> None:
         """Drop the tensors now: the hook closure on the output would otherwise keep them while the graph lives."""
@@ -139,8 +161,10 @@ class UseRecorder:
 
     def take_uses(self) -> list[Use]:
         """The uses whose output received a gradient; forgets them all (their tensors can be freed)."""
-        # An output changed in place can lose its gradient hook altogether: keep such uses so the step stops.
-        uses = [use for use in self.uses if use.grad_output is not None or use.problem == IN_PLACE]
+        for use in self.uses:  # last look for in-place changes, before anything is computed from the uses
+            use.problem = use.problem or use.in_place_problem()
+        # A view changed in place can lose its gradient hook altogether: keep such uses so the step stops.
+        uses = [use for use in self.uses if use.grad_output is not None or use.problem in (IN_PLACE, INPUT_IN_PLACE)]
         self.uses, self.expansions, self._pending = [], [], []
         return uses
 
@@ -153,8 +177,10 @@ class UseRecorder:
         finally:
             self.recording = True
 
-    def outputs(self) -> list[Tensor]:
-        return [use.output for use in self.uses if use.output is not None]
+    def outputs(self) -> list:
+        """Where ghost clipping's first pass takes each kept output's gradient: the gradient edge of the hooked
+        tensor as it was when recorded (an output changed in place since has a new node, bypassing our hook)."""
+        return [use.edge for use in self.uses if use.output is not None and use.edge is not None]
 
     def active(self) -> bool:
         return self.recording and torch.is_grad_enabled()
@@ -167,13 +193,12 @@ class UseRecorder:
         self._check_pending()
 
     def _check_pending(self) -> None:
-        """In-place changes of the last outputs (``ReLU(inplace=True)`` after a Linear, ``out.mul_()``): each
-        output is held until the next tracked layer is called or the model returns — one or two tensors at a
-        time, not every output of the forward — and its version counter compared. Later changes are seen by the
-        gradient hook while the tensor lives, and always by the start-up probe, which holds every output."""
+        """In-place changes that make a use untrustworthy (an output that is a view changed in place, an input
+        changed after the layer read it), checked for the last uses when the next tracked layer is called or the
+        model returns; outputs are then dropped unless ghost clipping or the probe needs them. Later changes are
+        seen by the gradient hook and before clipping (``take_uses``), and always by the start-up probe."""
         for use in self._pending:
-            if use.output is not None and use.output._version != use.version:
-                use.problem = IN_PLACE
+            use.problem = use.problem or use.in_place_problem()
             if not (self.keep_outputs or self.probing):
                 use.output = None
         self._pending = []
@@ -254,17 +279,47 @@ class UseRecorder:
 
     def _new_use(self, module: nn.Module, rule: Any, names: tuple, kept: Any, output: Tensor, grad_view=None) -> Use:
         use = Use(module, rule, names, kept, output=output, version=output._version,
-                  output_ref=weakref.ref(output))
+                  kept_versions=tuple((x, x._version) for x in _tensors_in(kept)))
+        hooked, reshape = gradient_site(output)
+        if hooked is output and output._base is not None:
+            use.output_ref = weakref.ref(output)  # a hook on a view is bypassed if the view changes in place
+        if hooked.grad_fn is not None or hooked.requires_grad:
+            use.edge = torch.autograd.graph.get_gradient_edge(hooked)
         self._pending.append(use)
 
         def keep_grad(grad: Tensor) -> None:
             if use.released or use.grad_output is not None:
                 return
-            current = use.output_ref()
-            if current is not None and current._version != use.version:  # changed after the model returned
-                use.problem = IN_PLACE
+            use.problem = use.problem or use.in_place_problem()
+            grad = grad.view(output.shape) if reshape else grad
             use.grad_output = grad if grad_view is None else grad_view(grad)
 
-        output.register_hook(keep_grad)
+        hooked.register_hook(keep_grad)
         self.uses.append(use)
         return use
+
+
+def gradient_site(output: Tensor) -> tuple[Tensor, bool]:
+    """The tensor to hook for ``output``'s gradient, and whether its gradient must be viewed as ``output``.
+
+    The base of a view that is a plain reshape of all of it (``F.linear`` on a (B, T, d) input: a view of the
+    (B·T, p) product), whose node only that view reads from here: its gradient is the output's, reshaped, and an
+    in-place change of the view cannot bypass it (it flows through CopySlices into the base's original node)."""
+    base = output._base
+    if base is None or base.grad_fn is None or output.grad_fn is None:
+        return output, False
+    whole = (base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()
+             and base.storage_offset() == output.storage_offset())
+    reads_base = output.grad_fn.next_functions[:1] == ((base.grad_fn, 0),)
+    return (base, True) if whole and reads_base else (output, False)
+
+
+def _tensors_in(kept: Any) -> list[Tensor]:
+    """The tensors a rule kept (a tensor, or tuples/lists/dicts of them, as the fallback keeps a whole call)."""
+    if isinstance(kept, Tensor):
+        return [kept]
+    if isinstance(kept, (tuple, list)):
+        return [x for item in kept for x in _tensors_in(item)]
+    if isinstance(kept, dict):
+        return [x for item in kept.values() for x in _tensors_in(item)]
+    return []
