@@ -470,6 +470,72 @@ def test_functional_fallback_keeps_keyword_masks_and_does_not_split_them(layout)
     assert verify_outcome(model, "per_sample", layout) == "exact"
 
 
+def causal_mix_by_keyword(h, m):
+    positions = h.shape[1]
+    return m.extra(m.fc(h), mask=torch.tril(torch.ones(positions, positions, dtype=h.dtype)))
+
+
+def causal_mix_by_position(h, m):
+    positions = h.shape[1]
+    return m.extra(m.fc(h), torch.tril(torch.ones(positions, positions, dtype=h.dtype)))
+
+
+def engine_matches_brute_force(model, engine, batch, layout="all_layer"):
+    params = [p for p in model.parameters()]
+    engine.accumulate(output_functional_loss(model, batch))
+    sums = engine.clipped_grads()
+    engine.zero_grad()
+    was = [p.requires_grad for p in params]
+    for param in params:  # the reference differentiates every parameter (book-keeping/per_sample froze them)
+        param.requires_grad_(True)
+    with engine.recorder.paused():
+        expected = brute_force_clipped_sum(model, batch, params, layout)
+    for param, flag in zip(params, was):
+        param.requires_grad_(flag)
+    return all(torch.allclose(sums[p].double(), e, rtol=1e-5, atol=1e-6 * CLIP) for p, e in zip(params, expected))
+
+
+@pytest.mark.parametrize("body", [causal_mix_by_keyword, causal_mix_by_position])
+def test_functional_fallback_without_the_probe_refuses_a_call_whose_batch_dimension_is_unproven(body):
+    # B = T = 4: the (T, T) mask starts with the batch size, so its shape cannot say whether it is per example.
+    model = Tiny(body, extra=MaskedMix(WIDTH))
+    engine, _ = make_engine(model, "per_sample")
+    batch = synthetic_token_batch(model)(4, 4, torch.Generator().manual_seed(1))
+    with pytest.raises(UserError, match=r"MaskedMix is called with a batch of 4 .*cannot be proven.*probe"):
+        engine.accumulate(output_functional_loss(model, batch))
+    assert not engine.clipped_grads()
+
+
+@pytest.mark.parametrize("body", [causal_mix_by_keyword, causal_mix_by_position])
+def test_functional_fallback_without_the_probe_learns_the_layout_where_shapes_prove_it(body):
+    model = Tiny(body, extra=MaskedMix(WIDTH)).double()
+    engine, _ = make_engine(model, "per_sample")
+    generator = torch.Generator().manual_seed(1)
+    # B ≠ T proves that the mask is shared; the later B = T batch must not split it, and B = 1 needs no proof
+    for rows, length in ((3, 5), (4, 4), (1, 3)):
+        assert engine_matches_brute_force(model, engine, synthetic_token_batch(model)(rows, length, generator))
+
+
+def test_functional_fallback_refuses_an_input_that_was_shared_and_now_carries_the_batch():
+    def body(h, m):
+        rows = h.shape[0] if h.shape[0] == 3 else 1  # (1, T, T) for the first batch, (B, T, T) afterwards
+        positions = h.shape[1]
+        mask = torch.tril(torch.ones(positions, positions, dtype=h.dtype))
+        return m.extra(m.fc(h), mask=mask.expand(rows, -1, -1) if rows > 1 else mask[None])
+
+    class BatchedMaskMix(MaskedMix):
+        def forward(self, x, mask=None):
+            return torch.einsum("bst,btd->bsd", mask.expand(x.shape[0], -1, -1), x @ self.weight)
+
+    model = Tiny(body, extra=BatchedMaskMix(WIDTH))
+    engine, _ = make_engine(model, "per_sample")
+    generator = torch.Generator().manual_seed(1)
+    engine.accumulate(output_functional_loss(model, synthetic_token_batch(model)(2, 5, generator)))
+    engine.zero_grad()
+    with pytest.raises(UserError, match=r"'mask' now carries the batch where it was shared"):
+        engine.accumulate(output_functional_loss(model, synthetic_token_batch(model)(3, 5, generator)))
+
+
 # ---------------------------------------------------------------- random stacks: exact or refused, never wrong
 
 OPS = ["linear", "relu_inplace", "mul_inplace", "functional_embed", "reuse_fc", "tanh"]
