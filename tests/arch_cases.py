@@ -113,6 +113,9 @@ ARCHS = [
           position_buckets=8, pos_att_type=["p2c", "c2p"], max_relative_positions=16),
     _arch("deberta_v2-cls", "deberta-v2", "DebertaV2ForSequenceClassification", "encoder", num_labels=3,
           relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"], max_relative_positions=16),
+    _arch("deberta_v3", "deberta-v2", "DebertaV2ForMaskedLM", "encoder", relative_attention=True,
+          position_buckets=8, pos_att_type=["p2c", "c2p"], max_relative_positions=16, share_att_key=True,
+          norm_rel_ebd="layer_norm"),  # DeBERTa-v3's settings: the content projections also project positions
     _arch("mpnet", "mpnet", "MPNetForMaskedLM", "encoder",),
     _arch("longformer", "longformer", "LongformerForMaskedLM", "encoder", dtype=torch.float32,
           attention_window=[4, 4]),

@@ -23,15 +23,13 @@ from arch_cases import ARCHS, BY_NAME, CLIP, LAYOUTS, MODES, SITUATIONS, build, 
 KNOWN_REFUSED = {
     "mixtral": "experts and router see tokens gathered from many examples (no token→example map yet)",
     "qwen2_moe": "experts and router see tokens gathered from many examples (no token→example map yet)",
-    "deberta_v2": "its attention projections also read relative-position embeddings shared by the batch",
-    "deberta_v2-cls": "its attention projections also read relative-position embeddings shared by the batch",
 }
 # Refused in one situation only: LoRA/DoRA adapters on OPT's fc1/fc2 (flattened B·T rows) and on Longformer's
 # projections (sequence-first); the row-layout rules cover those layers themselves, not adapters wrapped around them.
 KNOWN_REFUSED_SITUATIONS = {("opt", "lora"), ("opt", "dora"), ("longformer", "lora"), ("longformer", "dora")}
 # Situations crossed with every mode on a core set; with book-keeping on one model per special rule.
 CORE = ["gpt2", "llama", "bert", "t5"]
-SPECIAL = ["gemma", "falcon", "cohere", "bart", "mpnet", "opt", "longformer", "biogpt"]
+SPECIAL = ["gemma", "falcon", "cohere", "bart", "mpnet", "opt", "longformer", "biogpt", "deberta_v3"]
 SITUATION_NAMES = [s for s in SITUATIONS if s != "default"]
 SENTENCE_END = re.compile(r"[.;:] [A-Z]")  # a second sentence starts after this
 

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
+from dptext.privacy.norms import MODEL_PATCHES
 
 IN_PLACE = ("its output is a view of another tensor and is modified in place after the layer returns it, so "
             "autograd bypasses the node the recorded gradient belongs to")
@@ -147,6 +148,8 @@ class UseRecorder:
                 continue
             self._handles.append(module.register_forward_pre_hook(self._expand_broadcast_batch, prepend=True))
             self._handles.append(module.register_forward_hook(self._on_layer_call, with_kwargs=True, prepend=True))
+        for patch in MODEL_PATCHES:  # shared paths rewritten to meet the batch first (DeBERTa's positions)
+            self._handles.extend(patch(root, self))
         self.hook_keys = {module: hook_keys(module) for module in tracked}
 
     def hooks_changed(self, module: nn.Module) -> bool:
