@@ -14,15 +14,7 @@ Fail closed (SPEC §2 (a)–(c), docs/privacy_engine.md):
 * **Our hook runs first** (``prepend=True``) and binds keyword inputs to the forward's signature, so the recorded
   output is the one the weight produced, even when other hooks rewrite it afterwards; a module called with more
   inputs than its rule describes is refused unless the start-up probe verified it (``verified``).
-* **In-place changes.** A gradient hook registered on a tensor before it is changed in place
-  (``ReLU(inplace=True)``, ``out.mul_()``, Falcon's ``+=``, Longformer's ``/=``) receives the gradient of the value
-  before the change, which is what the weight saw, so such changes are exact — provided the hook sits on the node
-  that produced the value. A layer's output is often a view (``F.linear`` on a (B, T, d) input returns a view of a
-  (B·T, p) matrix), and an in-place change of a view re-routes autograd around the view's node, so a hook there
-  would never fire and the use would silently vanish. The hook therefore goes on the view's base when the output is
-  a plain reshape of all of it (same elements, same order, produced by the node the view reads); an output that is
-  a view of anything else is refused if changed in place (version counter). The inputs the rule keeps share the
-  version counter of the call's inputs: an input changed in place after the layer read it stops the step.
+* **In-place changes** (``in_place.py``): exact where autograd's hook semantics make them so, refused otherwise.
 * A module fed a batch of one while the model's batch is larger (GPT-2 and BERT look up position embeddings
   for one row of position ids) has its input expanded to the whole batch so each example's output gradient stays
   its own; the probe checks that this leaves the forward unchanged (``expansions``).
@@ -42,12 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
+from dptext.privacy.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, tensors_in
 from dptext.privacy.norms import MODEL_PATCHES
 
-IN_PLACE = ("its output is a view of another tensor and is modified in place after the layer returns it, so "
-            "autograd bypasses the node the recorded gradient belongs to")
-INPUT_IN_PLACE = ("its input is modified in place after the layer read it, so the kept activation is not the one its "
-                  "weight saw")
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values")
 
 
@@ -214,9 +203,10 @@ class UseRecorder:
         first = args[0]
         if first.ndim > 0 and first.shape[0] == 1 and (self.batch_size or 1) > 1:
             if first.is_floating_point():
-                # Ids looked up for one row and broadcast (positions) expand safely; a shared float input (DeBERTa's
-                # relative-position embeddings) is reshaped downstream by its batch size, and its per-example
-                # gradients are summed by the broadcast, so neither expanding nor recording it would be right.
+                # Ids looked up for one row and broadcast (positions) expand safely; a shared float input may be
+                # reshaped downstream by its batch size (DeBERTa's relative positions, which a model patch
+                # computes per example instead), and its per-example gradients are summed by the broadcast, so
+                # neither expanding nor recording it would be right.
                 raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) is applied to a tensor "
                                 "shared by the whole batch, so one example's gradient cannot be separated from the "
                                 "others'; freeze it (requires_grad_(False)) or leave it out of the LoRA targets.")
@@ -282,7 +272,7 @@ class UseRecorder:
 
     def _new_use(self, module: nn.Module, rule: Any, names: tuple, kept: Any, output: Tensor, grad_view=None) -> Use:
         use = Use(module, rule, names, kept, output=output, version=output._version,
-                  kept_versions=tuple((x, x._version) for x in _tensors_in(kept)))
+                  kept_versions=tuple((x, x._version) for x in tensors_in(kept)))
         hooked, reshape = gradient_site(output)
         if hooked is output and output._base is not None:
             use.output_ref = weakref.ref(output)  # a hook on a view is bypassed if the view changes in place
@@ -301,28 +291,3 @@ class UseRecorder:
         self.uses.append(use)
         return use
 
-
-def gradient_site(output: Tensor) -> tuple[Tensor, bool]:
-    """The tensor to hook for ``output``'s gradient, and whether its gradient must be viewed as ``output``.
-
-    The base of a view that is a plain reshape of all of it (``F.linear`` on a (B, T, d) input: a view of the
-    (B·T, p) product), whose node only that view reads from here: its gradient is the output's, reshaped, and an
-    in-place change of the view cannot bypass it (it flows through CopySlices into the base's original node)."""
-    base = output._base
-    if base is None or base.grad_fn is None or output.grad_fn is None:
-        return output, False
-    whole = (base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()
-             and base.storage_offset() == output.storage_offset())
-    reads_base = output.grad_fn.next_functions[:1] == ((base.grad_fn, 0),)
-    return (base, True) if whole and reads_base else (output, False)
-
-
-def _tensors_in(kept: Any) -> list[Tensor]:
-    """The tensors a rule kept (a tensor, or tuples/lists/dicts of them, as the fallback keeps a whole call)."""
-    if isinstance(kept, Tensor):
-        return [kept]
-    if isinstance(kept, (tuple, list)):
-        return [x for item in kept for x in _tensors_in(item)]
-    if isinstance(kept, dict):
-        return [x for item in kept.values() for x in _tensors_in(item)]
-    return []
