@@ -49,11 +49,17 @@ class _Patch:
     """An attribute set on an instance, and put back by ``remove()`` (the engine's hook handles)."""
 
     def __init__(self, module: nn.Module, name: str, value):
-        self.module, self.name = module, name
+        self.module, self.name, self.value = module, name, value
+        self.before = module.__dict__.get(name, _Patch)  # an instance attribute someone else set, kept
         module.__dict__[name] = value
 
     def remove(self) -> None:
-        self.module.__dict__.pop(self.name, None)
+        if self.module.__dict__.get(self.name) is not self.value:
+            return  # replaced again since: not ours to undo
+        if self.before is _Patch:
+            del self.module.__dict__[self.name]
+        else:
+            self.module.__dict__[self.name] = self.before
 
 
 class _Given(nn.Module):
