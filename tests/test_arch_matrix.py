@@ -14,31 +14,22 @@ import re
 
 import pytest
 import torch
-from torch import nn
 
-from dptext.errors import UserError
-from arch_cases import ARCHS, BY_NAME, CLIP, LAYOUTS, MODES, SITUATIONS, build, engine_result, losses, make_batch, \
-    prepare, run_cell
+from dptext.privacy import PrivacyEngine
+from arch_cases import ARCHS, BY_NAME, CLIP, LAYOUTS, MODES, SITUATIONS, build, compare, engine_result, \
+    loop_brute_force, losses, make_batch, prepare, run_cell
 
 # Refused in every mode today, and why; anything else must be exact. (An entry that turns exact passes too.)
 KNOWN_REFUSED = {
     "mixtral": "experts and router see tokens gathered from many examples (no token→example map yet)",
     "qwen2_moe": "experts and router see tokens gathered from many examples (no token→example map yet)",
-    "deberta_v2": "its attention projections also read relative-position embeddings shared by the batch",
-    "deberta_v2-cls": "its attention projections also read relative-position embeddings shared by the batch",
-    # The fail-closed engine refuses any tracked output changed in place (version counter). Falcon adds the
-    # residual into its MLP output (`+=`) and Longformer scales its query projection (`/=`); the gradient hooks
-    # would still see the right gradient there (they fire on the pre-modification value), so relaxing the check
-    # for outputs that are not autograd leaves would make both exact again — not yet done.
-    "falcon": "its MLP output is modified in place (`+=` of the residual)",
-    "longformer": "its query projection's output is scaled in place (`/=`)",
 }
 # Refused in one situation only: LoRA/DoRA adapters on OPT's fc1/fc2 (flattened B·T rows) and on Longformer's
 # projections (sequence-first); the row-layout rules cover those layers themselves, not adapters wrapped around them.
 KNOWN_REFUSED_SITUATIONS = {("opt", "lora"), ("opt", "dora"), ("longformer", "lora"), ("longformer", "dora")}
 # Situations crossed with every mode on a core set; with book-keeping on one model per special rule.
 CORE = ["gpt2", "llama", "bert", "t5"]
-SPECIAL = ["gemma", "falcon", "cohere", "bart", "mpnet", "opt", "longformer", "biogpt"]  # falcon, longformer: refused
+SPECIAL = ["gemma", "falcon", "cohere", "bart", "mpnet", "opt", "longformer", "biogpt", "deberta_v3"]
 SITUATION_NAMES = [s for s in SITUATIONS if s != "default"]
 SENTENCE_END = re.compile(r"[.;:] [A-Z]")  # a second sentence starts after this
 
@@ -146,26 +137,35 @@ def test_the_per_example_losses_are_those_of_one_example_at_a_time():
     torch.testing.assert_close(together, alone, rtol=1e-10, atol=1e-10)
 
 
-class TorchAttention(nn.Module):
+class TorchAttention(torch.nn.Module):
+    """torch's nn.MultiheadAttention, sequence-first (its default), with a key-padding mask."""
+
     def __init__(self):
         super().__init__()
-        self.embed = nn.Embedding(20, 8)
-        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.embed = torch.nn.Embedding(20, 8)
+        self.attention = torch.nn.MultiheadAttention(8, 2)
 
     def forward(self, ids):
-        hidden = self.embed(ids)
-        return self.attention(hidden, hidden, hidden)[0].pow(2).sum(dim=(1, 2))
+        hidden = self.embed(ids).transpose(0, 1)
+        padded = ids == 0
+        return self.attention(hidden, hidden, hidden, key_padding_mask=padded)[0].pow(2).sum(dim=(0, 2))
 
 
-@pytest.mark.parametrize("frozen_in_projection", [False, True])
-@pytest.mark.parametrize("mode", MODES)
-def test_torch_multihead_attention_is_refused_naming_the_layer(mode, frozen_in_projection):
-    """Its weights are used inside F.multi_head_attention_forward: out_proj is never called as a module."""
+@pytest.mark.parametrize("mode,layout", [(mode, layout) for mode in MODES for layout in LAYOUTS
+                                         if not (mode == "ghost" and layout == "per_layer")])
+def test_torch_multihead_attention_is_exact(mode, layout):
+    """Refused before (its projections run inside F.multi_head_attention_forward); tests/test_privacy_mha.py
+    covers the wirings (cross-attention, masks, batch_first, bias)."""
+    torch.manual_seed(0)
     model = TorchAttention().double()
-    if frozen_in_projection:
-        model.attention.in_proj_weight.requires_grad_(False)
-        model.attention.in_proj_bias.requires_grad_(False)
-    with pytest.raises(UserError) as refusal:
-        engine_result(model, {"ids": torch.randint(0, 20, (3, 5))}, mode, "all_layer")
-    layer = "attention.out_proj" if frozen_in_projection else "attention"
-    assert f"Layer '{layer}'" in str(refusal.value) and "multi_head_attention_forward" in str(refusal.value)
+    for rows, length in ((3, 5), (4, 4)):
+        ids = torch.randint(1, 20, (rows, length), generator=torch.Generator().manual_seed(rows))
+        ids[1:, -1] = 0  # padded keys
+        norms, expected = loop_brute_force(model, lambda r: model(ids[r]), rows, CLIP, layout == "per_layer")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        engine = PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=4,
+                               dataset_size=100, clipping_mode=mode, clipping_layout=layout)
+        got_norms = engine.accumulate(model(ids))
+        sums = engine.clipped_grads()
+        engine.detach()
+        assert not compare(norms, expected, got_norms, {n: sums[p] for n, p in model.named_parameters()})

@@ -14,8 +14,7 @@ Fail closed (SPEC §2 (a)–(c), docs/privacy_engine.md):
 * **Our hook runs first** (``prepend=True``) and binds keyword inputs to the forward's signature, so the recorded
   output is the one the weight produced, even when other hooks rewrite it afterwards; a module called with more
   inputs than its rule describes is refused unless the start-up probe verified it (``verified``).
-* **In-place changes** of a recorded output (``ReLU(inplace=True)``, ``out.mul_()``) bump its version counter;
-  the gradient hook compares it and the step stops naming the layer.
+* **In-place changes** (``in_place.py``): exact where autograd's hook semantics make them so, refused otherwise.
 * A module fed a batch of one while the model's batch is larger (GPT-2 and BERT look up position embeddings
   for one row of position ids) has its input expanded to the whole batch so each example's output gradient stays
   its own; the probe checks that this leaves the forward unchanged (``expansions``).
@@ -35,9 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
+from dptext.privacy.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, tensors_in
+from dptext.privacy.norms import MODEL_PATCHES
 
-IN_PLACE = ("its output is modified in place after the layer returns it (an in-place ReLU, out.mul_(), += or /=), "
-            "so the recorded output gradient is not the one its weight saw")
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values")
 
 
@@ -53,7 +52,20 @@ class Use:
     released: bool = False
     problem: str | None = None  # why this use's gradient cannot be trusted (found during the pass)
     version: int = 0  # the output's version counter when the layer returned it
-    output_ref: Any = field(default=None, repr=False)
+    output_ref: Any = field(default=None, repr=False)  # set only for outputs that must not change in place
+    edge: Any = field(default=None, repr=False)  # where ghost clipping's first pass takes the output gradient
+    kept_versions: tuple = field(default=(), repr=False)  # (tensor, version) of what the rule kept
+
+    def in_place_problem(self) -> str | None:
+        """Why an in-place change makes this use's gradient untrustworthy (seen so far), or None."""
+        if self.problem in (IN_PLACE, INPUT_IN_PLACE):
+            return self.problem
+        output = self.output_ref() if self.output_ref is not None else None
+        if output is not None and output._version != self.version:
+            return IN_PLACE
+        if any(kept._version != version for kept, version in self.kept_versions):
+            return INPUT_IN_PLACE
+        return None
 
     def release(self) -> None:
         """Drop the tensors now: the hook closure on the output would otherwise keep them while the graph lives."""
@@ -125,6 +137,8 @@ class UseRecorder:
                 continue
             self._handles.append(module.register_forward_pre_hook(self._expand_broadcast_batch, prepend=True))
             self._handles.append(module.register_forward_hook(self._on_layer_call, with_kwargs=True, prepend=True))
+        for patch in MODEL_PATCHES:  # shared paths rewritten to meet the batch first (DeBERTa's positions)
+            self._handles.extend(patch(root, self))
         self.hook_keys = {module: hook_keys(module) for module in tracked}
 
     def hooks_changed(self, module: nn.Module) -> bool:
@@ -139,8 +153,10 @@ class UseRecorder:
 
     def take_uses(self) -> list[Use]:
         """The uses whose output received a gradient; forgets them all (their tensors can be freed)."""
-        # An output changed in place can lose its gradient hook altogether: keep such uses so the step stops.
-        uses = [use for use in self.uses if use.grad_output is not None or use.problem == IN_PLACE]
+        for use in self.uses:  # last look for in-place changes, before anything is computed from the uses
+            use.problem = use.problem or use.in_place_problem()
+        # A view changed in place can lose its gradient hook altogether: keep such uses so the step stops.
+        uses = [use for use in self.uses if use.grad_output is not None or use.problem in (IN_PLACE, INPUT_IN_PLACE)]
         self.uses, self.expansions, self._pending = [], [], []
         return uses
 
@@ -153,8 +169,10 @@ class UseRecorder:
         finally:
             self.recording = True
 
-    def outputs(self) -> list[Tensor]:
-        return [use.output for use in self.uses if use.output is not None]
+    def outputs(self) -> list:
+        """Where ghost clipping's first pass takes each kept output's gradient: the gradient edge of the hooked
+        tensor as it was when recorded (an output changed in place since has a new node, bypassing our hook)."""
+        return [use.edge for use in self.uses if use.output is not None and use.edge is not None]
 
     def active(self) -> bool:
         return self.recording and torch.is_grad_enabled()
@@ -167,13 +185,12 @@ class UseRecorder:
         self._check_pending()
 
     def _check_pending(self) -> None:
-        """In-place changes of the last outputs (``ReLU(inplace=True)`` after a Linear, ``out.mul_()``): each
-        output is held until the next tracked layer is called or the model returns — one or two tensors at a
-        time, not every output of the forward — and its version counter compared. Later changes are seen by the
-        gradient hook while the tensor lives, and always by the start-up probe, which holds every output."""
+        """In-place changes that make a use untrustworthy (an output that is a view changed in place, an input
+        changed after the layer read it), checked for the last uses when the next tracked layer is called or the
+        model returns; outputs are then dropped unless ghost clipping or the probe needs them. Later changes are
+        seen by the gradient hook and before clipping (``take_uses``), and always by the start-up probe."""
         for use in self._pending:
-            if use.output is not None and use.output._version != use.version:
-                use.problem = IN_PLACE
+            use.problem = use.problem or use.in_place_problem()
             if not (self.keep_outputs or self.probing):
                 use.output = None
         self._pending = []
@@ -186,9 +203,10 @@ class UseRecorder:
         first = args[0]
         if first.ndim > 0 and first.shape[0] == 1 and (self.batch_size or 1) > 1:
             if first.is_floating_point():
-                # Ids looked up for one row and broadcast (positions) expand safely; a shared float input (DeBERTa's
-                # relative-position embeddings) is reshaped downstream by its batch size, and its per-example
-                # gradients are summed by the broadcast, so neither expanding nor recording it would be right.
+                # Ids looked up for one row and broadcast (positions) expand safely; a shared float input may be
+                # reshaped downstream by its batch size (DeBERTa's relative positions, which a model patch
+                # computes per example instead), and its per-example gradients are summed by the broadcast, so
+                # neither expanding nor recording it would be right.
                 raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) is applied to a tensor "
                                 "shared by the whole batch, so one example's gradient cannot be separated from the "
                                 "others'; freeze it (requires_grad_(False)) or leave it out of the LoRA targets.")
@@ -254,17 +272,22 @@ class UseRecorder:
 
     def _new_use(self, module: nn.Module, rule: Any, names: tuple, kept: Any, output: Tensor, grad_view=None) -> Use:
         use = Use(module, rule, names, kept, output=output, version=output._version,
-                  output_ref=weakref.ref(output))
+                  kept_versions=tuple((x, x._version) for x in tensors_in(kept)))
+        hooked, reshape = gradient_site(output)
+        if hooked is output and output._base is not None:
+            use.output_ref = weakref.ref(output)  # a hook on a view is bypassed if the view changes in place
+        if hooked.grad_fn is not None or hooked.requires_grad:
+            use.edge = torch.autograd.graph.get_gradient_edge(hooked)
         self._pending.append(use)
 
         def keep_grad(grad: Tensor) -> None:
             if use.released or use.grad_output is not None:
                 return
-            current = use.output_ref()
-            if current is not None and current._version != use.version:  # changed after the model returned
-                use.problem = IN_PLACE
+            use.problem = use.problem or use.in_place_problem()
+            grad = grad.view(output.shape) if reshape else grad
             use.grad_output = grad if grad_view is None else grad_view(grad)
 
-        output.register_hook(keep_grad)
+        hooked.register_hook(keep_grad)
         self.uses.append(use)
         return use
+

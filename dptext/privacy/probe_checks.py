@@ -16,7 +16,6 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from dptext.privacy import clipping
-from dptext.privacy.capture import IN_PLACE
 
 RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
 DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"
@@ -115,10 +114,9 @@ def engine_forward(engine, report, batch, loss_fn, device):
                                       "or a second module), a path its rule does not see")
     uses = list(recorder.uses)
     for use in uses:
-        if use.problem:
-            report.refuse(use.module, use.problem)
-        elif use.output is not None and use.output._version != use.version:
-            report.refuse(use.module, IN_PLACE)
+        problem = use.problem or use.in_place_problem()
+        if problem:
+            report.refuse(use.module, problem)
     return loss, uses
 
 

@@ -4,9 +4,11 @@ own parameters by ``torch.func`` (vmap over the batch of a vector-Jacobian produ
 It instantiates every per-example gradient, like opacus' functorch mode, so it is offered only where
 instantiation is the point (the reference mode). The call is replayed as it was made: keyword arguments stay
 keyword arguments (masks passed as ``attention_mask=``), and only tensors whose first dimension is the batch are
-split per example; the rest (a (T, T) causal mask, a shared table) go to every example whole. Which inputs are
-batched is learned once per layer from a call where the batch size equals no other dimension (the probe's first
-batch has B ≠ T), so a later batch with B = T cannot turn a (T, T) mask into per-example rows.
+split per example; the rest (a (T, T) causal mask, a shared table) go to every example whole. Whether an input
+is batched is learned once per layer and argument from a call whose shapes prove it (its first dimension is not
+the batch size, or the batch size equals no other dimension: the probe's first batch has B ≠ T), so a later
+batch with B = T cannot turn a (T, T) mask into per-example rows. Before it is learned (the probe off), a call
+whose shapes cannot prove it is refused, never decided by shape.
 """
 
 from __future__ import annotations
@@ -28,26 +30,43 @@ class FunctionalRule:
     takes_keywords = True
 
     def __init__(self):
-        self.batched: frozenset | None = None  # the argument slots that carry the batch, once learned
+        self.layout: dict[object, bool] = {}  # argument slot → carries the batch, learned where provable
 
     def keep(self, module: nn.Module, call: tuple) -> tuple:
         args, kwargs, rows = call
         slots = _tensor_slots(args, kwargs)
         # The first tensor is the layer's main input (the recorder checked that its output has one row per
-        # example); any other tensor with the batch size first might be a shared (T, T) or (T, d) table.
-        by_shape = frozenset(slot for n, (slot, x) in enumerate(slots)
-                             if n == 0 or (x.ndim > 0 and x.shape[0] == rows))
-        other_sizes = {size for _, x in slots[1:] for size in x.shape[1:]}
-        unambiguous = rows > 1 and rows not in other_sizes or all(x.ndim == 0 or x.shape[0] != rows for _, x in slots[1:])
-        if self.batched is None and unambiguous:
-            self.batched = by_shape
-        batched = self.batched if self.batched is not None else by_shape
-        # Not learned yet and ambiguous (B equals another size): shape decides; the probe teaches the layout.
+        # example). Another tensor is batched if its first dimension is the batch, which its shape proves only
+        # when the batch size equals no other dimension of the call: at B = T a (T, T) mask or a (T,) vector
+        # looks batched. A tensor whose first dimension is not B is never batched.
+        other_sizes = {size for _, x in slots for size in x.shape[1:]}
+        batched, unproven = {slot for slot, _ in slots[:1]}, []
+        for slot, x in slots[1:]:
+            starts_with_batch = x.ndim > 0 and x.shape[0] == rows
+            provable = not starts_with_batch or (rows > 1 and rows not in other_sizes)
+            if slot in self.layout:
+                carries = self.layout[slot]
+                if provable and starts_with_batch and not carries:  # shared before ((1, T) ids), batched now
+                    raise UserError(f"{type(module).__name__}'s input {slot!r} now carries the batch where it was "
+                                    "shared by the batch before; freeze the layer or give it a rule.")
+            elif provable:
+                carries = self.layout[slot] = starts_with_batch
+            else:  # one example: splitting a shared tensor of one row changes nothing, so either reading is exact
+                carries = starts_with_batch
+                if rows > 1:
+                    unproven.append(slot)
+            if carries:
+                batched.add(slot)
+        if unproven:
+            raise UserError(f"{type(module).__name__} is called with a batch of {rows} that equals another "
+                            f"dimension of its inputs, so whether {', '.join(map(repr, unproven))} carry the batch "
+                            "cannot be proven from their shapes; run the start-up probe (privacy.verify / "
+                            "engine.verify()), which learns it at B ≠ T, or freeze the layer.")
         for slot, x in slots:
             if slot in batched and (x.ndim == 0 or x.shape[0] != rows):
                 raise UserError(f"{type(module).__name__}'s input {slot!r} no longer has the batch first; "
                                 "freeze the layer or give it a rule.")
-        return args, kwargs, batched
+        return args, kwargs, frozenset(batched)
 
     def per_example(self, module, names, call, grad_output) -> dict[str, Tensor]:
         args, kwargs, batched = call

@@ -18,6 +18,9 @@ Optional, for layers whose call is not "batch-first input in, batch-first output
 * ``install(module, recorder, root) -> handles``: the rule records its uses itself (a bias table shared by the
   batch, rows flattened or sequence-first), through ``recorder.record``;
 * ``unsupported(module) -> reason``: refused before step 0 with that reason.
+Model patches (``register_model_patch``) rewrite, while the engine records, a computation that several modules
+share across the batch so that it meets the batch first (DeBERTa's relative positions); the modules involved
+then keep their ordinary rules.
 Child rules (``register_child_rule``) are keyed by the parent's class and the attribute name, for plain layers
 whose use is special (T5's relative bias is an nn.Embedding, OPT's fc1 an nn.Linear fed flattened rows).
 
@@ -40,6 +43,7 @@ RULES: dict[type, Any] = {}
 NAMED_RULES: dict[str, Any] = {}  # "module.QualifiedName" -> rule, exact class only
 CHILD_RULES: dict[tuple[str, str], Any] = {}  # (parent's qualified class name, attribute) -> rule
 STRUCTURAL_RULES: list[Any] = []
+MODEL_PATCHES: list[Callable] = []  # (root, recorder) -> handles: rewrite a batch-shared path to meet the batch early
 
 
 def register_rule(*module_classes: type) -> Callable[[type], type]:
@@ -77,6 +81,13 @@ def register_child_rule(parent_qualified_name: str, attribute: str) -> Callable[
         return rule_class
 
     return decorate
+
+
+def register_model_patch(patch: Callable) -> Callable:
+    """``patch(root, recorder) -> handles`` runs when the engine installs its hooks on ``root`` (DeBERTa's relative
+    positions: a path shared by the batch that no single module's rule can separate per example)."""
+    MODEL_PATCHES.append(patch)
+    return patch
 
 
 def find_child_rules(root: nn.Module) -> dict[nn.Module, Any]:
