@@ -14,16 +14,16 @@ from typing import Any, Callable, Optional, Sequence
 
 from dptext.errors import UserError
 
-OUTSIDE = "has a {what} outside the declared set ({key})"
 
 
 def refuse_outside(position: int, what: str, key: str, split: str = "train") -> UserError:
     # by position in the split, which `dptext data` lists in the same order (a file split by seed has no line)
     name = "Training" if split == "train" else split.capitalize()
+    article = "an" if what[0] in "aeiou" else "a"
     return UserError(f"{name} record {position + 1} (counting from 1 in the order `dptext data --split {split}` "
-                     f"lists them) "
-                     f"{OUTSIDE.format(what=what, key=key)}; add the value to {key} if it is public, set "
-                     "task.other_label to map such records to a declared class, or fix the record.")
+                     f"lists them) has {article} {what} outside the declared set ({key}); add the value to {key} "
+                     "if it is public, set task.other_label to map such records to a declared class, or fix the "
+                     "record.")
 
 
 def declared_classes(recipe: Any, published: Optional[Sequence[str]]) -> list:
