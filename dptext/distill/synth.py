@@ -37,6 +37,7 @@ from typing import Any, Sequence
 from dptext.distill.codes import (CodeDistribution, code_distribution, compose_basic, sample_codes,
                                   total_variation)
 from dptext.errors import UserError
+from dptext.release import inherited_flags
 from dptext.runs import RunDir, atomic_write_json, atomic_write_text, provenance, read_lines, write_manifest
 
 PLAN, SUMMARY, PROVENANCE = "plan.json", "summary.json", "provenance.json"
@@ -263,7 +264,8 @@ def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: 
                 "batch_size": batch_size, "validation_fraction": validation_fraction}
     code_settings = {"mechanism": code_mechanism, "epsilon": code_epsilon, "delta": code_delta, "domain": code_domain}
     out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, "synth", ["exact_codes"] if code_mechanism == "exact" else [])  # before any other file
+    flags = (["exact_codes"] if code_mechanism == "exact" else []) + inherited_flags(info["privacy"]["teacher_run"])
+    write_manifest(out, "synth", flags)  # before any other file
     plan = load_or_make_plan(out, lambda: make_plan(info, n, settings, code_settings, validation_fraction, seed),
                              settings, n, seed)
     model, tokenizer = load_model(str(info["model_dir"]), head="causal_lm")

@@ -21,6 +21,7 @@ from typing import Any
 from dptext.errors import UserError
 from dptext.finetune import selection as model_selection
 from dptext.finetune.validate import validate_run
+from dptext.release import inherited_flags, recipe_flags
 from dptext.runs import RunDir, atomic_directory
 
 MODEL_DIR = "model"
@@ -73,12 +74,15 @@ def privacy_summary(training: Any) -> dict[str, Any]:
 
 
 def release_flags(training: Any) -> list[str]:
-    """Why the run's outputs might lack the DP guarantee (``dptext.release.FLAG_REASONS``)."""
+    """Why the run's outputs might lack the DP guarantee (``dptext.release.FLAG_REASONS``): its own settings,
+    and those of a teacher whose outputs it learnt from (distillation)."""
     claim = training.info.get("privacy_claim") or {}
-    if training.private or claim.get("private"):
-        exact = claim.get("code_distribution", {}).get("mechanism") == "exact"
-        return ["exact_codes"] if exact else []
-    return ["non_private"]
+    if not (training.private or claim.get("private")):
+        return ["non_private"]
+    flags = recipe_flags(training.recipe) if training.private else []
+    if claim.get("code_distribution", {}).get("mechanism") == "exact":
+        flags.append("exact_codes")
+    return flags + inherited_flags((claim.get("teacher") or {}).get("teacher_run"))
 
 
 def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str | Path | None = None,
