@@ -19,7 +19,8 @@ import torch
 from dptext.cli.app import main
 from dptext.models import load_tokenizer
 
-FIELDS = ("text", "title", "label", "id", "ignored", "mr", "ref", "dialog", "sender", "word", "slot", "intent")
+FIELDS = ("text", "title", "label", "id", "ignored", "mr", "ref", "dialog", "sender", "word", "slot", "intent",
+          "category")
 CANARY = {field: f"zq{field}canary{n:04d}x" for n, field in enumerate(FIELDS, start=4711)}
 TINY = ["train.max_steps=2", "train.batch_size=8", "train.log_every=1", "privacy.target_epsilon=8",
         "data.max_length=48", "data.max_eval_examples=6", "eval.batch_size=8"]
@@ -37,14 +38,23 @@ def jsonl_folder(root: Path, name: str, sizes: tuple[int, int, int], row) -> Pat
     return folder
 
 
+def review(i: int, planted: bool) -> dict:
+    return {"text": f"the food was {'good' if i % 2 else 'bad'} {CANARY['text'] if planted else i}",
+            "title": CANARY["title"] if planted else "a title",
+            "label": CANARY["label"] if planted else ("positive" if i % 2 else "negative"),
+            "id": CANARY["id"] if planted else f"r{i}", "ignored": CANARY["ignored"] if planted else "",
+            "category": "books" if i % 3 else "dvd", "rating": 5 if i % 2 else 1}
+
+
 def text_family(root: Path) -> Path:
     """jsonl reviews: text, title, label (one canary label), id, a column no task reads, category/rating codes."""
-    return jsonl_folder(root, "text", (24, 6, 6), lambda i, planted: {
-        "text": f"the food was {'good' if i % 2 else 'bad'} {CANARY['text'] if planted else i}",
-        "title": CANARY["title"] if planted else "a title",
-        "label": CANARY["label"] if planted else ("positive" if i % 2 else "negative"),
-        "id": CANARY["id"] if planted else f"r{i}", "ignored": CANARY["ignored"] if planted else "",
-        "category": "books" if i % 3 else "dvd", "rating": 5 if i % 2 else 1})
+    return jsonl_folder(root, "text", (24, 6, 6), review)
+
+
+def coded_family(root: Path) -> Path:
+    """The reviews with a canary control code too: training may read it (DP), `dptext synth` refuses it."""
+    return jsonl_folder(root, "coded", (24, 6, 6),
+                        lambda i, planted: {**review(i, planted), **({"category": CANARY["category"]} if planted else {})})
 
 
 def numbered_family(root: Path) -> Path:
@@ -99,7 +109,7 @@ def slot_family(root: Path) -> Path:
     return folder
 
 
-FAMILIES = {"text": text_family, "numbered": numbered_family, "table": table_family, "dialog": dialog_family,
+FAMILIES = {"text": text_family, "coded": coded_family, "numbered": numbered_family, "table": table_family, "dialog": dialog_family,
             "slots": slot_family}
 
 TEXT = ["data.dataset=jsonl", "data.label_column=label"]
@@ -127,9 +137,9 @@ RUNS = {  # name: (family, model, overrides)
 }
 
 
-def run_arguments(name: str, data: dict[str, Path]) -> list[str]:
-    family, model, overrides = RUNS[name]
-    return [f"model.name={model}", f"data.path={data[family]}", *overrides]
+def run_arguments(name: str, data: dict[str, Path], family: str | None = None) -> list[str]:
+    default, model, overrides = RUNS[name]
+    return [f"model.name={model}", f"data.path={data[family or default]}", *overrides]
 
 
 def build_data(root: Path) -> dict[str, Path]:

@@ -1,7 +1,8 @@
 """Canary sweep of the commands that read private data without training a task of their own (issue 25):
 `dptext check` (which validates the user's records and must refuse by position, never by content), `dptext data`
-(which prints records on purpose and says so), `dptext mia` with every attack and canary exposure, and a
-distributed finetune under torchrun (2 gloo processes on CPU). Data and checks: canary_cases.py.
+(which prints records on purpose and says so), `dptext mia` with every attack and canary exposure (on records that
+also carry a canary control code, which `dptext synth` then refuses by position), and a distributed finetune under
+torchrun (2 gloo processes on CPU). Data and checks: canary_cases.py.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ AUDIT = ["audit.holdout_examples=6", "audit.public_examples=8", "audit.canaries=
 
 
 def test_mia_attacks_and_canary_exposure_hold_no_canary(data, tmp_path, capsys):
-    run = finetune(capsys, tmp_path / "audited", *run_arguments("language_modeling", data), *AUDIT)
+    # the records also carry a canary control code: DP training may read it, nothing may write or print it
+    run = finetune(capsys, tmp_path / "audited", *run_arguments("language_modeling", data, "coded"), *AUDIT)
     report = cli(capsys, "mia", str(run), "--attack", "all", "--references", "2")
     assert set(report["runs"][0]["attacks"]) == {"loss", "shadow", "lira"}
     exposure = cli(capsys, "mia", "canary", str(run), "--candidates", "50")
@@ -74,6 +76,8 @@ def test_mia_attacks_and_canary_exposure_hold_no_canary(data, tmp_path, capsys):
     status = sweep(run, canary_token_ids(RUNS["language_modeling"][1]))
     assert status["mia_not_private/report.json"] == "not_covered"
     assert any(path.startswith("mia_not_private/references/") for path in status)
+    error = cli(capsys, "synth", str(run), "--out", str(tmp_path / "synthetic"), "--n", "4", code=2)
+    assert "control code outside the declared set (task.code_domain)" in error
 
 
 def test_torchrun_finetune_holds_no_canary(data, tmp_path):

@@ -1,10 +1,10 @@
 """Canary sweep of what runs write (issue 25): every task type (DP-SGD and eDP-SGD), synth, the distill methods
-(synthetic_only, dpkd, dp_sgd), decode, `dptext models --check` and `bench-memory` on a trained model, run tiny
-through the CLI; no canary may appear in a file outside the manifest's not_covered entries, nor be printed.
+(synthetic_only, dpkd, dp_sgd), decode (sampling and a sweep over private texts), `dptext models --check` and
+`bench-memory` on a trained model, run tiny through the CLI; no canary may appear in a file outside the manifest's
+not_covered entries, nor be printed.
 
-The data and checks are in canary_cases.py; `dptext check`, `data`, `mia` (all attacks) and a torchrun run are
-swept in test_canary_commands.py. Control codes are declared (task.code_domain), so a canary code value is
-refused before training (tested in test_synth_codes.py); the canary sits in the text the codes prefix instead.
+The data and checks are in canary_cases.py; `dptext check`, `data`, `mia` (all attacks), a canary control code
+(which `dptext synth` refuses by position) and a torchrun run are swept in test_canary_commands.py.
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ def test_synth_distill_and_decode_hold_no_canary(data, tmp_path, capsys, monkeyp
         assert json.loads((student / "result.json").read_text())["method"] == method
     cli(capsys, "decode", "--model", str(teacher / "model"), "--prompt", "the food", "-T", "3", "--lambda", "0.5",
         "--seed", "1")
+    plot = tmp_path / "sweep.png"  # a sweep over the private training texts: scores only, never the texts
+    cli(capsys, "decode", "--model", str(teacher / "model"), "--data", str(data["text"] / "train.jsonl"),
+        "--sweep", "0.5,1.0", "--max-length", "16", "--plot", str(plot))
+    scan_file(plot, ids, "decode's sweep plot")
     # tools on the trained model: a forward pass, and memory benchmarks on synthetic token ids (no records)
     checked = cli(capsys, "models", "--check", str(teacher / "model"))
     assert checked["check"]["parameters"] > 0
