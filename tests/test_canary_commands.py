@@ -43,13 +43,13 @@ def test_check_validates_every_run_and_refuses_records_by_position_only(data, tm
         "intent": ["model.name=tiny-bert", f"data.path={data['slots']}",
                    *[o for o in INTENTS if not o.startswith("task.other_label")]],
     }
-    expected = {"label": ("Training record 4 ", "label", "task.labels"),
-                "stray class id": ("Training record 4 ", "label", "task.labels"),
-                "intent": ("Training record 6 ", "intent", "task.intents")}
+    expected = {"label": (f"Training record 4 of '{data['text']}'", "label", "task.labels"),
+                "stray class id": (f"Training record 4 of '{data['numbered']}'", "label", "task.labels"),
+                "intent": (f"Training record 6 of '{data['slots']}'", "intent", "task.intents")}
     for case, overrides in undeclared.items():
         error = cli(capsys, "check", recipe, *TINY, *overrides, code=2)
         assert all(part in error for part in expected[case]), (case, error)
-        assert "7" not in error.replace("Training record", "")  # the stray class id itself stays private
+        assert "7" not in error.replace(expected[case][0], "")  # the stray class id itself stays private
 
 
 def test_data_prints_records_and_says_they_are_not_covered(data, capsys):

@@ -108,7 +108,7 @@ def check_records(recipe: Any, splits: dict[str, list]) -> None:
     for split, records in splits.items():
         records = [r for r in records if isinstance(r, dict)]
         for known, what, key in checks:
-            check_declared(records, known, mapped, what, key, split)
+            check_declared(records, known, mapped, what, key, split, recipe.data.path)
 
 
 def validate_local_data(recipe: Any) -> None:

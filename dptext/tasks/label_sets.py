@@ -16,11 +16,13 @@ from dptext.errors import UserError
 
 
 
-def refuse_outside(position: int, what: str, key: str, split: str = "train") -> UserError:
+def refuse_outside(position: int, what: str, key: str, split: str = "train", source: Optional[str] = None
+                   ) -> UserError:
     # by position in the split, which `dptext data` lists in the same order (a file split by seed has no line)
     name = "Training" if split == "train" else split.capitalize()
     article = "an" if what[0] in "aeiou" else "a"
-    return UserError(f"{name} record {position + 1} (counting from 1 in the order `dptext data --split {split}` "
+    of = f" of '{source}'" if source else ""
+    return UserError(f"{name} record {position + 1}{of} (counting from 1 in the order `dptext data --split {split}` "
                      f"lists them) has {article} {what} outside the declared set ({key}); add the value to {key} "
                      "if it is public, set task.other_label to map such records to a declared class, or fix the "
                      "record.")
@@ -64,14 +66,14 @@ def other_index(recipe: Any, names: Sequence[Any], key: str) -> Optional[int]:
 
 
 def check_records(records: Sequence[dict[str, Any]], known: Callable[[dict[str, Any]], bool], mapped: bool,
-                  what: str, key: str, split: str = "train") -> None:
+                  what: str, key: str, split: str = "train", source: Optional[str] = None) -> None:
     """Refuse (by position) the first record of ``split`` that ``known`` rejects, unless an "other" class
     catches it."""
     if mapped:
         return
     for position, record in enumerate(records):
         if not known(record):
-            raise refuse_outside(position, what, key, split)
+            raise refuse_outside(position, what, key, split, source)
 
 
 def bio_tags(slot_types: Sequence[str]) -> list[str]:
