@@ -9,6 +9,10 @@ Each output is registered with a status:
 * ``not_covered`` — computed from the private records without a DP mechanism (audit files, exact per-step
   losses, checkpoints holding the sampler's and noise generator's states); each entry says why.
 
+Flags (``FLAG_REASONS``, from the recipe and from a teacher the output learnt from) take groups out of the
+guarantee: every ``dp_result`` entry under ``GUARANTEE_FLAGS``, and the files holding ``train.seed`` under
+``reproducible_noise``.
+
 ``write_manifest`` lists every file under the folder in ``release.json`` with its status and fails on a file
 no entry matches, and ``check_registered`` (called by ``dptext.runs.atomic_write``) refuses to write one: a new
 output cannot appear without a status. Patterns are ``fnmatch`` globs on the POSIX path relative to the

@@ -61,11 +61,16 @@ def test_synth_distill_and_decode_hold_no_canary(data, tmp_path, capsys, monkeyp
     model = RUNS["language_modeling"][1]
     teacher = finetune(capsys, tmp_path / "teacher", *run_arguments("language_modeling", data))
     synthetic = tmp_path / "synthetic"
-    cli(capsys, "synth", str(teacher), "--out", str(synthetic), "--n", "12", "--batch-size", "6",
-        "--max-new-tokens", "4", "--validation-fraction", "0.25", "--check-training-copies")
+    synth = ["--n", "12", "--batch-size", "6", "--max-new-tokens", "4", "--validation-fraction", "0.25"]
+    cli(capsys, "synth", str(teacher), "--out", str(synthetic), *synth, "--check-training-copies")
     ids = canary_token_ids(model)
     status = sweep(synthetic, ids)
     assert status["train.jsonl"] == "covered" and status["training_copies_not_private.json"] == "not_covered"
+    # the code histogram's noise is secret: the same public --seed (written to plan.json) draws other noise
+    cli(capsys, "synth", str(teacher), "--out", str(tmp_path / "again"), *synth)
+    noisy = [json.loads((f / "plan.json").read_text())["distribution"]["noisy_counts"]
+             for f in (synthetic, tmp_path / "again")]
+    assert noisy[0] != noisy[1]
     students = {
         "synthetic_only": distill(capsys, tmp_path, "student", data, method="synthetic_only", teacher=str(teacher),
                                   synthetic=str(synthetic)),

@@ -103,7 +103,7 @@ def make_plan(info: dict[str, Any], n: int, settings: dict[str, Any], code_setti
     records = load_records(recipe.data, "train")  # exactly the teacher's training set
     distribution = code_distribution(records, recipe.task.control_codes, code_settings["mechanism"],
                                      epsilon=code_settings["epsilon"], delta=code_settings["delta"],
-                                     domain=code_settings["domain"] or recipe.task.code_domain or None, seed=seed)
+                                     domain=code_settings["domain"] or recipe.task.code_domain or None)
     codes = sample_codes(distribution, n, seed)
     n_validation = int(round(validation_fraction * n))
     validation = sorted(np.random.default_rng(seed + 1).choice(n, size=n_validation, replace=False).tolist())
