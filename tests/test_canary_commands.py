@@ -2,7 +2,7 @@
 `dptext check` (which validates the user's records and must refuse by position, never by content), `dptext data`
 (which prints records on purpose and says so), `dptext mia` with every attack and canary exposure (on records that
 also carry a canary control code, which `dptext synth` then refuses by position), and a distributed finetune under
-torchrun (2 gloo processes on CPU). Data and checks: canary_cases.py.
+torchrun (2 gloo processes on CPU; marked slow). Data and checks: canary_cases.py.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def test_mia_attacks_and_canary_exposure_hold_no_canary(data, tmp_path, capsys):
     assert "control code outside the declared set (task.code_domain)" in error
 
 
+@pytest.mark.slow  # 36-43 s on this project's loaded 2-core machine (two processes, each importing torch)
 def test_torchrun_finetune_holds_no_canary(data, tmp_path):
     run = tmp_path / "distributed"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
