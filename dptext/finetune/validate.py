@@ -101,12 +101,12 @@ def check_records(recipe: Any, splits: dict[str, list]) -> None:
     elif task == "intent_slot":
         intents, tags = declared_intents_and_tags(recipe)
         mapped = other_index(recipe, intents, "task.intents") is not None
+        intents, tags = set(intents), set(tags)
         checks = [(lambda r: r.get("intent") is None or r["intent"] in intents, "intent", "task.intents"),
                   (lambda r: all(t in tags for t in r.get("tags") or []), "slot tag", "task.slot_types")]
     else:
         return
     for split, records in splits.items():
-        records = [r for r in records if isinstance(r, dict)]
         for known, what, key in checks:
             check_declared(records, known, mapped, what, key, split, recipe.data.path)
 
