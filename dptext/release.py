@@ -9,6 +9,10 @@ Each output is registered with a status:
 * ``not_covered`` — computed from the private records without a DP mechanism (audit files, exact per-step
   losses, checkpoints holding the sampler's and noise generator's states); each entry says why.
 
+Flags (``FLAG_REASONS``, from the recipe and from a teacher the output learnt from) take groups out of the
+guarantee: every ``dp_result`` entry under ``GUARANTEE_FLAGS``, and the files holding ``train.seed`` under
+``reproducible_noise``.
+
 ``write_manifest`` lists every file under the folder in ``release.json`` with its status and fails on a file
 no entry matches, and ``check_registered`` (called by ``dptext.runs.atomic_write``) refuses to write one: a new
 output cannot appear without a status. Patterns are ``fnmatch`` globs on the POSIX path relative to the
@@ -33,11 +37,17 @@ STATUSES = {
     PUBLIC: "a public input copied into the output (recipe, pretrained tokenizer, declared label sets, versions)",
     NOT_COVERED: "computed from private records without noise: keep it with the private data, never publish it",
 }
-# Conditions under which a whole output loses its guarantee; entries marked ``dp_result`` turn not_covered.
+# Conditions under which a whole output loses its guarantee (entries marked ``dp_result`` turn not_covered), and
+# the one under which the files that hold train.seed become as secret as the noise.
 FLAG_REASONS = {
     "non_private": "the run trained without differential privacy (privacy.enabled=false): nothing it learnt is DP",
     "exact_codes": "control codes follow the EXACT private code distribution (--codes exact), which is not DP",
+    "data_dependent_scaling": "eDP-SGD measured its scaling α on private training examples "
+                              "(privacy.edp_scaling=first_step), a data-dependent choice no accountant covers",
+    "reproducible_noise": "the sampler and noise were derived from train.seed (privacy.reproducible_noise=true): "
+                          "anyone who knows the seed can regenerate the noise, so files that hold it stay secret",
 }
+GUARANTEE_FLAGS = ("non_private", "exact_codes", "data_dependent_scaling")  # inherited by what learns from the output
 
 
 class UnregisteredOutput(UserError):
@@ -51,7 +61,8 @@ class Entry:
     status: str
     what: str
     why: str = ""
-    dp_result: bool = False  # derived from the DP mechanism: loses its cover under a flag of FLAG_REASONS
+    dp_result: bool = False  # derived from the DP mechanism: loses its cover under a flag of GUARANTEE_FLAGS
+    holds_seed: bool = False  # holds train.seed: as secret as the noise under the reproducible_noise flag
 
 
 _TOKENIZER = "the pretrained model's tokenizer, saved unchanged (never trained on the data)"
@@ -59,8 +70,9 @@ _MODEL_WEIGHTS = "weights and configuration of the model trained with DP-SGD"
 
 RUN_ENTRIES = (
     Entry(MANIFEST, PUBLIC, "this manifest"),
-    Entry("resolved.yaml", PUBLIC, "the recipe as it ran, with its declared label sets and code domains"),
-    Entry("provenance.json", PUBLIC, "git revision, package versions, command line, machine"),
+    Entry("resolved.yaml", PUBLIC, "the recipe as it ran, with its declared label sets and code domains",
+          holds_seed=True),
+    Entry("provenance.json", PUBLIC, "git revision, package versions, command line, machine", holds_seed=True),
     Entry("ledger.json", COVERED, "q, σ per step, δ and ε per accountant",
           "functions of the settings and of n; n (the training-set size) is treated as public, as in DP-SGD "
           "accounting", dp_result=True),
@@ -133,10 +145,29 @@ def entry_for(relative: str, kind: str) -> Entry:
 
 def status_of(entry: Entry, flags: Iterable[str]) -> tuple[str, str]:
     """(status, why) of ``entry`` under the output's flags."""
-    lost = [FLAG_REASONS[f] for f in flags if f in FLAG_REASONS]
+    lost = [FLAG_REASONS[f] for f in flags if f in GUARANTEE_FLAGS]
     if entry.dp_result and lost:
         return NOT_COVERED, "; ".join(lost)
+    if entry.holds_seed and "reproducible_noise" in flags:
+        return NOT_COVERED, FLAG_REASONS["reproducible_noise"]
     return entry.status, entry.why
+
+
+def recipe_flags(recipe: Any) -> list[str]:
+    """The flags a recipe sets before anything is trained (``FLAG_REASONS``)."""
+    privacy = recipe.privacy
+    if not privacy.enabled:
+        return ["non_private"]
+    flags = ["reproducible_noise"] if privacy.reproducible_noise else []
+    if privacy.method == "edp_sgd" and privacy.edp_scaling == "first_step":
+        flags.append("data_dependent_scaling")
+    return flags
+
+
+def inherited_flags(source: str | Path | None) -> list[str]:
+    """The guarantee flags of a run or synth folder whose outputs another output learns from (a teacher)."""
+    found = read_manifest(source) if source else None
+    return [f for f in (found or {}).get("flags", {}) if f in GUARANTEE_FLAGS]
 
 
 def _files(root: Path) -> list[str]:

@@ -170,7 +170,7 @@ class RunDir:
         run = cls(out)
         atomic_write_text(run.path / RESOLVED, dump_recipe(recipe))
         atomic_write_json(run.path / PROVENANCE, provenance())
-        write_manifest(run.path, "run", [] if recipe.privacy.enabled else ["non_private"])
+        write_manifest(run.path, "run", release.recipe_flags(recipe))
         return run
 
     @classmethod

@@ -61,7 +61,8 @@ def test_1_a_failed_start_leaves_nothing_and_a_rerun_may_reuse_the_folder(tmp_pa
     assert not (tmp_path / "run").exists()
     # a start that fails after the run directory was created (a class id the data cannot have) removes it too
     own_data(tmp_path, labels=[0, 1] * 11 + [-3, 1])
-    refused(finetune(tmp_path, f"data.path={tmp_path / 'reviews.jsonl'}"), capsys, "record", "label -3")
+    refused(finetune(tmp_path, f"data.path={tmp_path / 'reviews.jsonl'}"), capsys, "record", "label outside",
+            "task.labels")
     assert not (tmp_path / "run").exists()
 
 
@@ -92,7 +93,8 @@ def test_5_a_jsonl_path_without_dataset_uses_the_jsonl_reader(tmp_path, capsys):
     (tmp_path / "odd" / "a.parquet").write_text("")
     with pytest.raises(UserError, match="set data.dataset"):
         config.load_recipe(None, [f"data.path={tmp_path / 'odd'}"])
-    code, _ = cli(["check", str(QUICKSTART), "model.name=tiny-bert", "data.dataset=null", f"data.path={data}"], capsys)
+    code, _ = cli(["check", str(QUICKSTART), "model.name=tiny-bert", "data.dataset=null", f"data.path={data}",
+                   "task.labels=[negative,positive]"], capsys)  # own data: the classes are declared
     assert code == 0
 
 
@@ -147,8 +149,9 @@ def test_10_synth_chunks_and_audit_files_with_unicode_line_separators(tmp_path):
 
 def test_11_stray_negative_and_empty_labels_and_zero_length(tmp_path, capsys):
     data = own_data(tmp_path, labels=[0, 1] * 11 + [7, 0])
-    refused(["check", str(QUICKSTART), *TINY, f"data.path={data}"], capsys, "'review number 22 was bad'", "label 7",
-            "2–6", "8-class")
+    line = refused(["check", str(QUICKSTART), *TINY, f"data.path={data}"], capsys, "record",
+                   "label outside the declared set (task.labels)", "dptext data --split")
+    assert "review number" not in line and "7" not in line  # the record's text and label stay private
     data = own_data(tmp_path, labels=[0, 1] * 12, texts=[" "] * 24)
     refused(["check", str(QUICKSTART), *TINY, f"data.path={data}"], capsys, "empty")
     refused(finetune(tmp_path, "data.max_length=0"), capsys, "'data.max_length'")

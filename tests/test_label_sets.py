@@ -77,7 +77,9 @@ def test_undeclared_intent_or_tag_is_refused_before_training(record, what):
     with pytest.raises(UserError) as error:
         intent_slot([good, record])
     message = str(error.value)
-    assert f"Training record 2 (counting from 1 in the order read) has a {what}" in message
+    article = "an" if what == "intent" else "a"
+    assert (f"Training record 2 (counting from 1 in the order `dptext data --split train` lists them) has {article} "
+            f"{what}" in message)
     assert "SECRET" not in message
 
 

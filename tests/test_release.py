@@ -57,6 +57,27 @@ def test_a_non_private_run_covers_nothing_it_learnt(tmp_path):
     assert "non_private" in manifest["flags"]
 
 
+def test_reproducible_noise_makes_the_files_holding_the_seed_secret(tmp_path):
+    recipe = config.load_recipe(None, ["name=rep", "privacy.reproducible_noise=true"])
+    manifest = json.loads((RunDir.create(recipe, out=tmp_path / "rep").path / "release.json").read_text())
+    status = {f["path"]: f["status"] for f in manifest["files"]}
+    assert status["resolved.yaml"] == status["provenance.json"] == "not_covered"
+    assert list(manifest["flags"]) == ["reproducible_noise"]
+
+
+def test_edp_first_step_scaling_covers_nothing_learnt_and_is_inherited(tmp_path):
+    recipe = config.load_recipe(None, ["name=fs", "privacy.method=edp_sgd", "privacy.edp_scaling=first_step"])
+    teacher = RunDir.create(recipe, out=tmp_path / "fs")
+    (teacher.path / "model").mkdir()
+    (teacher.path / "model" / "model.safetensors").write_bytes(b"w")
+    status = {f["path"]: f["status"] for f in write_manifest(teacher.path)["files"]}
+    assert status["model/model.safetensors"] == "not_covered" and status["resolved.yaml"] == "public"
+    assert release.inherited_flags(teacher.path) == ["data_dependent_scaling"]
+    write_manifest(teacher.path, flags=["data_dependent_scaling", "reproducible_noise"])
+    assert release.inherited_flags(teacher.path) == ["data_dependent_scaling"]  # the seed is the teacher's own
+    assert release.inherited_flags(tmp_path) == [] and release.inherited_flags(None) == []
+
+
 def test_account_prints_the_manifest_of_a_synth_folder(tmp_path, capsys):
     folder = tmp_path / "synthetic"
     folder.mkdir()

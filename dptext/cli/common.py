@@ -54,5 +54,5 @@ def render_not_covered(output, run_dir: Path) -> None:
     folders = sorted({f["path"].split("/")[0] + ("/" if "/" in f["path"] else "")
                       for f in json.loads(manifest.read_text())["files"] if f["status"] == "not_covered"})
     if folders:
-        output.info(f"NOT covered by ε (training records or un-noised statistics; never publish): {', '.join(folders)}"
-                    f"; `dptext account {run_dir}` lists what ε covers.")
+        output.info(f"NOT covered by ε (keep with the private data, never publish): {', '.join(folders)}"
+                    f"; `dptext account {run_dir}` says why and lists what ε covers.")

@@ -9,6 +9,9 @@ from typing_extensions import Annotated
 
 from dptext.cli.common import JsonOption, make_output
 
+PRIVATE_NOTE = ("the records, labels and counts shown are your data as it is, not covered by any differential-privacy "
+                "guarantee: keep this output with the private data and never paste it into logs or issues.")
+
 
 def data(
     dataset: Annotated[str, typer.Argument(help="Dataset name: e2e, dart, sst2, qnli, mnli, qqp, atis, snips, amazon, "
@@ -30,12 +33,15 @@ def data(
                                                        "split (data.validation_fraction).")] = 0.1,
     json_mode: JsonOption = False,
 ) -> None:
-    """Show how many records each split of a dataset has and print the first ones."""
+    """Show how many records each split of a dataset has and print the first ones (private data, printed as is:
+    no DP guarantee covers this output)."""
     from dptext.data.summary import example_table, statistics_rows, summarize
 
     out = make_output(json_mode)
     summary = summarize(dataset, path, split, show, text_column=text_column, label_column=label_column,
                         split_seed=seed, validation_fraction=validation_fraction)
+    # the one command that prints records on purpose (the owner inspecting their data): say what the output is
+    out.warn(PRIVATE_NOTE)
     out.info(f"{summary['dataset']} from {summary['source']}")
     rows = [[name, "-" if count is None else f"{count:,}"] for name, count in summary["counts"].items()]
     out.table("Records per split", ["split", "records"], rows)

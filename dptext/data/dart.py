@@ -60,7 +60,9 @@ def read_dart_xml(path: Path) -> list[dict[str, Any]]:
         for mtriple in entry.iter("mtriple"):
             parts = (mtriple.text or "").split(" | ")
             if len(parts) != 3:
-                raise UserError(f"{path} entry {entry.get('eid')} has a triple with {len(parts)} parts: {mtriple.text!r}.")
+                # by position, never the triple's text or the entry's id: the records may be private data
+                raise UserError(f"{path} entry {index + 1} (counting from 1) has a triple with {len(parts)} parts "
+                                "instead of 3 (subject | predicate | object); fix that entry.")
             triples.append(parts)
         for lex in entry.iter("lex"):
             records.append(_record(triples, lex.text or "", lex.get("comment", ""), index))

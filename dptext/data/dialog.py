@@ -53,12 +53,12 @@ def chitchat_package_file() -> Path:
 
 def chitchat_responses(dialogs: dict[str, Any], source: Path) -> list[dict[str, Any]]:
     records = []
-    for dialog_id, dialog in dialogs.items():
+    for number, (dialog_id, dialog) in enumerate(dialogs.items(), start=1):
         try:
             turns = [" ".join(u["text"] for u in message) for message in dialog["messages"]]
-        except (KeyError, TypeError):
-            raise UserError(f"{source} dialog {dialog_id} has no messages of utterances with a text; "
-                            "is it the chitchat-dataset dataset.json?") from None
+        except (KeyError, TypeError):  # named by position: a dialog id is part of the (private) record
+            raise UserError(f"{source} dialog {number} (counting from 1 in file order) has no messages of utterances "
+                            "with a text; is it the chitchat-dataset dataset.json?") from None
         for position in range(1, len(turns)):
             records.append({"dialog_id": dialog_id, "history": turns[:position], "response": turns[position]})
     return records

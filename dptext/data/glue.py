@@ -77,7 +77,8 @@ def _label_index(task: str, value: Any, where: str) -> Optional[int]:
         return names.index(value)
     if value.strip().isdigit() and int(value) < len(names):
         return int(value)
-    raise UserError(f"{where} has label {value!r}, which is not one of {task}'s labels {list(names)} or their indices.")
+    raise UserError(f"{where} has a label that is not one of {task}'s labels {list(names)} or their indices; fix "
+                    "that record (its value is not shown: the data may be private).")
 
 
 def _normalised(task: str, row: dict, text: str, pair: Optional[str], label: Any, where: str) -> dict[str, Any]:

@@ -132,7 +132,8 @@ def _imdb_rows(handle, source: Path) -> list[dict[str, Any]]:
     records = []
     for number, row in enumerate(reader):
         if row["sentiment"] not in IMDB_LABELS:
-            raise UserError(f"{source} row {number + 2} has sentiment {row['sentiment']!r}, expected positive or negative.")
+            raise UserError(f"{source} row {number + 2} has a sentiment other than positive or negative; fix "
+                            "that row (its value is not shown: the data may be private).")
         records.append({"text": row["review"], "label": IMDB_LABELS[row["sentiment"]], "id": str(number)})
     return records
 

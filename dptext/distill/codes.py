@@ -17,7 +17,9 @@ or ``--code-domain``): every possible code, fixed from public documentation with
 the data, so the noise protects which codes occur as well as how often. A DP histogram without a
 declared domain is refused (its cells would publish the codes present), and so is a training
 record whose code lies outside the domain (by its position, never its value). Noisy counts are
-clipped at 0 and normalised; (ε_h, δ_h) is added to the teacher's by basic composition.
+clipped at 0 and normalised; (ε_h, δ_h) is added to the teacher's by basic composition. The noise is drawn
+from secret OS entropy, never from `dptext synth --seed` (which is written to plan.json and only drives what is
+post-processing of the noisy histogram: code sampling, the split, generation).
 """
 
 from __future__ import annotations
@@ -100,8 +102,12 @@ def code_of(record: dict[str, Any], fields: Sequence[str]) -> tuple:
 
 def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], mechanism: str = "laplace", *,
                       epsilon: float | None = None, delta: float | None = None,
-                      domain: dict[str, list] | None = None, seed: int = 0) -> CodeDistribution:
-    """The distribution codes are sampled from, by ``mechanism`` (see the module docstring)."""
+                      domain: dict[str, list] | None = None, seed: int | None = None) -> CodeDistribution:
+    """The distribution codes are sampled from, by ``mechanism`` (see the module docstring).
+
+    The histogram noise comes from fresh operating-system entropy, never from a public seed: whoever knew the
+    seed could regenerate the noise and subtract it from the published noisy counts (the exact private counts
+    would follow). ``seed`` pins it for tests only."""
     if mechanism not in MECHANISMS:
         raise UserError(f"Code distribution '{mechanism}' is unknown; choose one of {', '.join(MECHANISMS)}.")
     if not fields:

@@ -44,6 +44,7 @@ from dptext.finetune.setup import pick_device
 from dptext.models import load_model
 from dptext.output import Output
 from dptext.provenance import provenance
+from dptext.release import inherited_flags
 from dptext.runs import RunDir, atomic_write_json, atomic_write_text, read_lines, write_manifest
 from dptext.tasks.text_format import control_code
 
@@ -106,7 +107,7 @@ def make_plan(info: dict[str, Any], n: int, settings: dict[str, Any], code_setti
     records = load_records(recipe.data, "train")  # exactly the teacher's training set
     distribution = code_distribution(records, recipe.task.control_codes, code_settings["mechanism"],
                                      epsilon=code_settings["epsilon"], delta=code_settings["delta"],
-                                     domain=code_settings["domain"] or recipe.task.code_domain or None, seed=seed)
+                                     domain=code_settings["domain"] or recipe.task.code_domain or None)
     codes = sample_codes(distribution, n, seed)
     n_validation = int(round(validation_fraction * n))
     validation = sorted(np.random.default_rng(seed + 1).choice(n, size=n_validation, replace=False).tolist())
@@ -259,7 +260,8 @@ def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: 
                 "batch_size": batch_size, "validation_fraction": validation_fraction}
     code_settings = {"mechanism": code_mechanism, "epsilon": code_epsilon, "delta": code_delta, "domain": code_domain}
     out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, "synth", ["exact_codes"] if code_mechanism == "exact" else [])  # before any other file
+    flags = (["exact_codes"] if code_mechanism == "exact" else []) + inherited_flags(info["privacy"]["teacher_run"])
+    write_manifest(out, "synth", flags)  # before any other file
     plan = load_or_make_plan(out, lambda: make_plan(info, n, settings, code_settings, validation_fraction, seed),
                              settings, n, seed)
     model, tokenizer = load_model(str(info["model_dir"]), head="causal_lm")

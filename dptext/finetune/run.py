@@ -26,6 +26,7 @@ from dptext.finetune.loop import restore, run_loop
 from dptext.finetune.setup import build_training
 from dptext.finetune.validate import validate_run
 from dptext.output import Output
+from dptext.release import inherited_flags, recipe_flags
 from dptext.runs import MODEL_DIR, RunDir, atomic_directory
 
 
@@ -76,12 +77,15 @@ def privacy_summary(training: Any) -> dict[str, Any]:
 
 
 def release_flags(training: Any) -> list[str]:
-    """Why the run's outputs might lack the DP guarantee (``dptext.release.FLAG_REASONS``)."""
+    """Why the run's outputs might lack the DP guarantee (``dptext.release.FLAG_REASONS``): its own settings,
+    and those of a teacher whose outputs it learnt from (distillation)."""
     claim = training.info.get("privacy_claim") or {}
-    if training.private or claim.get("private"):
-        exact = claim.get("code_distribution", {}).get("mechanism") == "exact"
-        return ["exact_codes"] if exact else []
-    return ["non_private"]
+    if not (training.private or claim.get("private")):
+        return ["non_private"]
+    flags = recipe_flags(training.recipe) if training.private else []
+    if claim.get("code_distribution", {}).get("mechanism") == "exact":
+        flags.append("exact_codes")
+    return flags + inherited_flags((claim.get("teacher") or {}).get("teacher_run"))
 
 
 def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str | Path | None = None,

@@ -14,10 +14,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dptext.data import dataset_info, load_records
+from dptext.data import dataset_info, label_names, load_records
 from dptext.errors import UserError
 from dptext.model_check import check_model_name
 from dptext.runs import RunDir
+from dptext.tasks.label_sets import check_records as check_declared
+from dptext.tasks.label_sets import class_index, declared_classes, declared_intents_and_tags, other_index
 
 # objectives that read a class label from each record, and the readers whose records carry none
 LABELLED_TASKS = ("classification", "infilling")
@@ -82,42 +84,31 @@ def validate_run(recipe: Any, out: str | Path | None = None, check_out: bool = T
 
 
 def check_records(recipe: Any, splits: dict[str, list]) -> None:
-    """Bad data that would otherwise surface after training starts (or never): all-empty texts, class ids
-    that are negative, beyond the dataset's classes, or skip classes (a stray 7 in 0/1 data)."""
+    """Bad data that would otherwise surface after training starts (or never): all-empty texts, and labels,
+    intents or slot tags outside the declared sets (``dptext.tasks.label_sets``). A message names the split,
+    the record's position and the field, never the record's content: the records are private data, and what a
+    command prints ends up in logs and issue reports."""
     for split, records in splits.items():
         texts = [r.get("text") for r in records if isinstance(r, dict) and "text" in r]
         if texts and all(not str(t or "").strip() for t in texts):
             raise UserError(f"Every 'text' in the {split} split is empty; check data.text_column and the file.")
-    if recipe.task.type not in LABELLED_TASKS:
+    task = recipe.task.type
+    if task in LABELLED_TASKS:
+        classes = declared_classes(recipe, label_names(recipe.data.dataset))
+        mapped = other_index(recipe, classes, "task.labels") is not None
+        checks = [(lambda r: r.get("label") is None or class_index(r["label"], classes) is not None,
+                   "label", "task.labels")]  # an unlabelled split (GLUE test) is the task's to refuse
+    elif task == "intent_slot":
+        intents, tags = declared_intents_and_tags(recipe)
+        mapped = other_index(recipe, intents, "task.intents") is not None
+        intents, tags = set(intents), set(tags)
+        checks = [(lambda r: r.get("intent") is None or r["intent"] in intents, "intent", "task.intents"),
+                  (lambda r: all(t in tags for t in r.get("tags") or []), "slot tag", "task.slot_types")]
+    else:
         return
-    names = dataset_info(recipe.data.dataset).label_names
-    seen: dict[int, str] = {}  # class id -> where it first occurs
     for split, records in splits.items():
-        for number, record in enumerate(records, start=1):
-            label = record.get("label") if isinstance(record, dict) else None
-            if not isinstance(label, int) or isinstance(label, bool):
-                continue  # missing or non-integer labels are the task's to map or refuse
-            where = f"record {number} of the {split} split ({_snippet(record)})"
-            if label < 0 or (names is not None and label >= len(names)):
-                allowed = f"0..{len(names) - 1}" if names is not None else "0 or more"
-                raise UserError(f"The {where} has label {label}, but class ids must be {allowed}; fix that "
-                                "record (or data.label_column).")
-            seen.setdefault(label, where)
-    if names is None and seen:
-        missing = sorted(set(range(max(seen) + 1)) - set(seen))
-        if missing:
-            top = max(seen)
-            raise UserError(f"The {seen[top]} has label {top} but labels {_ranges(missing)} never occur, which "
-                            f"would build a {top + 1}-class head; fix the stray label or number the classes 0..K-1.")
-
-
-def _snippet(record: dict) -> str:
-    text = " ".join(str(record.get("text", "")).split())
-    return repr(text[:40] + ("…" if len(text) > 40 else ""))
-
-
-def _ranges(ids: list[int]) -> str:
-    return f"{ids[0]}–{ids[-1]}" if len(ids) > 2 and ids[-1] - ids[0] == len(ids) - 1 else ", ".join(map(str, ids))
+        for known, what, key in checks:
+            check_declared(records, known, mapped, what, key, split, recipe.data.path)
 
 
 def validate_local_data(recipe: Any) -> None:

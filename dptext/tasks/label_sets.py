@@ -14,13 +14,18 @@ from typing import Any, Callable, Optional, Sequence
 
 from dptext.errors import UserError
 
-OUTSIDE = "has a {what} outside the declared set ({key})"
 
 
-def refuse_outside(position: int, what: str, key: str) -> UserError:
-    return UserError(f"Training record {position + 1} (counting from 1 in the order read) "
-                     f"{OUTSIDE.format(what=what, key=key)}; add the value to {key} if it is public, set "
-                     "task.other_label to map such records to a declared class, or fix the record.")
+def refuse_outside(position: int, what: str, key: str, split: str = "train", source: Optional[str] = None
+                   ) -> UserError:
+    # by position in the split, which `dptext data` lists in the same order (a file split by seed has no line)
+    name = "Training" if split == "train" else split.capitalize()
+    article = "an" if what[0] in "aeiou" else "a"
+    of = f" of '{source}'" if source else ""
+    return UserError(f"{name} record {position + 1}{of} (counting from 1 in the order `dptext data --split {split}` "
+                     f"lists them) has {article} {what} outside the declared set ({key}); add the value to {key} "
+                     "if it is public, set task.other_label to map such records to a declared class, or fix the "
+                     "record.")
 
 
 def declared_classes(recipe: Any, published: Optional[Sequence[str]]) -> list:
@@ -61,13 +66,14 @@ def other_index(recipe: Any, names: Sequence[Any], key: str) -> Optional[int]:
 
 
 def check_records(records: Sequence[dict[str, Any]], known: Callable[[dict[str, Any]], bool], mapped: bool,
-                  what: str, key: str) -> None:
-    """Refuse (by position) the first training record ``known`` rejects, unless an "other" class catches it."""
+                  what: str, key: str, split: str = "train", source: Optional[str] = None) -> None:
+    """Refuse (by position) the first record of ``split`` that ``known`` rejects, unless an "other" class
+    catches it."""
     if mapped:
         return
     for position, record in enumerate(records):
         if not known(record):
-            raise refuse_outside(position, what, key)
+            raise refuse_outside(position, what, key, split, source)
 
 
 def bio_tags(slot_types: Sequence[str]) -> list[str]:
