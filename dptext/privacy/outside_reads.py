@@ -50,6 +50,7 @@ class OutsideReads:
                 self.owners.setdefault(module.get_parameter(name), []).append(module)
         self.windows: dict[nn.Module, list[tuple[int, int]]] = {}
         self._open: list[int] = []
+        self._by_id = {id(param): param for param in self.owners}
         self._kinds: dict[type, bool] = {}  # backward node class → is it a re-expression (RE_EXPRESSIONS)
         self._marker = torch.zeros((), requires_grad=True)
         self._handles = [model.register_forward_pre_hook(self._on_model_call)]
@@ -89,8 +90,10 @@ class OutsideReads:
         root = loss.grad_fn
         if root is None:
             return None
-        allowed = {param: [w for m in owners for w in self.windows.get(m, ())] for param, owners in self.owners.items()}
-        sources: dict[Any, nn.Parameter | None] = {}
+        # keyed by id(): Tensor.__hash__ goes through torch's Python dispatch and dominated the walk's cost
+        allowed = {id(param): [w for m in owners for w in self.windows.get(m, ())]
+                   for param, owners in self.owners.items()}
+        sources: dict[Any, int | None] = {}
         seen, stack = {root}, [root]
         while stack:
             node = stack.pop()
@@ -99,7 +102,7 @@ class OutsideReads:
                     continue
                 kind = type(child)
                 if kind is ACCUMULATE_GRAD:
-                    param = child.variable
+                    param = id(child.variable)
                 elif self._re_expression(kind):
                     param = self._source(child, sources)
                 else:
@@ -107,7 +110,7 @@ class OutsideReads:
                 if param in allowed:  # ``node`` reads a tracked parameter: it must lie in an owner's call
                     number = node._sequence_nr()
                     if not any(start < number < end for start, end in allowed[param]):
-                        return param
+                        return self._by_id[param]
                 elif kind is not ACCUMULATE_GRAD and child not in seen:
                     seen.add(child)
                     stack.append(child)
@@ -118,15 +121,15 @@ class OutsideReads:
             self._kinds[kind] = kind.__name__ in RE_EXPRESSIONS
         return self._kinds[kind]
 
-    def _source(self, node: Any, sources: dict) -> nn.Parameter | None:
-        """The tracked parameter that ``node`` only re-expresses (a cast, view or transpose of it, down to its
+    def _source(self, node: Any, sources: dict) -> int | None:
+        """The id of the tracked parameter that ``node`` only re-expresses (a cast, view or transpose of it, down to its
         AccumulateGrad), else None. Casts count because autocast caches a weight's cast: a read outside the module
         reuses the cast node made inside it, so the reader is whoever reads the cast."""
         if node not in sources:
             inputs = [child for child, _ in node.next_functions if child is not None]
             result = None
             if len(inputs) == 1 and type(inputs[0]) is ACCUMULATE_GRAD:
-                result = inputs[0].variable if inputs[0].variable in self.owners else None
+                result = id(inputs[0].variable) if id(inputs[0].variable) in self._by_id else None
             elif len(inputs) == 1 and self._re_expression(type(inputs[0])):
                 result = self._source(inputs[0], sources)
             sources[node] = result
