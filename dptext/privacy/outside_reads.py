@@ -50,6 +50,8 @@ class OutsideReads:
                 self.owners.setdefault(module.get_parameter(name), []).append(module)
         self.windows: dict[nn.Module, list[tuple[int, int]]] = {}
         self._open: list[int] = []
+        self._by_id = {id(param): param for param in self.owners}
+        self._kinds: dict[type, bool] = {}  # backward node class → is it a re-expression (RE_EXPRESSIONS)
         self._marker = torch.zeros((), requires_grad=True)
         self._handles = [model.register_forward_pre_hook(self._on_model_call)]
         for module in tracked:
@@ -88,34 +90,47 @@ class OutsideReads:
         root = loss.grad_fn
         if root is None:
             return None
-        allowed = {param: [w for m in owners for w in self.windows.get(m, ())] for param, owners in self.owners.items()}
-        sources: dict[Any, nn.Parameter | None] = {}
+        # keyed by id(): Tensor.__hash__ goes through torch's Python dispatch and dominated the walk's cost
+        allowed = {id(param): [w for m in owners for w in self.windows.get(m, ())]
+                   for param, owners in self.owners.items()}
+        sources: dict[Any, int | None] = {}
         seen, stack = {root}, [root]
         while stack:
             node = stack.pop()
             for child, _ in node.next_functions:
                 if child is None:
                     continue
-                param = self._source(child, sources)
-                if param is not None:
+                kind = type(child)
+                if kind is ACCUMULATE_GRAD:
+                    param = id(child.variable)
+                elif self._re_expression(kind):
+                    param = self._source(child, sources)
+                else:
+                    param = None
+                if param in allowed:  # ``node`` reads a tracked parameter: it must lie in an owner's call
                     number = node._sequence_nr()
                     if not any(start < number < end for start, end in allowed[param]):
-                        return param
-                elif child not in seen and type(child) is not ACCUMULATE_GRAD:
+                        return self._by_id[param]
+                elif kind is not ACCUMULATE_GRAD and child not in seen:
                     seen.add(child)
                     stack.append(child)
         return None
 
-    def _source(self, node: Any, sources: dict) -> nn.Parameter | None:
-        """The tracked parameter that ``node`` only re-expresses (its AccumulateGrad, or a cast, view or transpose
-        of it), else None. Casts count because autocast caches a weight's cast: a read outside the module reuses
-        the cast node made inside it, so the reader is whoever reads the cast."""
+    def _re_expression(self, kind: type) -> bool:
+        if kind not in self._kinds:
+            self._kinds[kind] = kind.__name__ in RE_EXPRESSIONS
+        return self._kinds[kind]
+
+    def _source(self, node: Any, sources: dict) -> int | None:
+        """The id of the tracked parameter that ``node`` only re-expresses (a cast, view or transpose of it, down to its
+        AccumulateGrad), else None. Casts count because autocast caches a weight's cast: a read outside the module
+        reuses the cast node made inside it, so the reader is whoever reads the cast."""
         if node not in sources:
-            if type(node) is ACCUMULATE_GRAD:
-                sources[node] = node.variable if node.variable in self.owners else None
-            elif type(node).__name__ in RE_EXPRESSIONS and len(node.next_functions) == 1 \
-                    and node.next_functions[0][0] is not None:
-                sources[node] = self._source(node.next_functions[0][0], sources)
-            else:
-                sources[node] = None
+            inputs = [child for child, _ in node.next_functions if child is not None]
+            result = None
+            if len(inputs) == 1 and type(inputs[0]) is ACCUMULATE_GRAD:
+                result = id(inputs[0].variable) if id(inputs[0].variable) in self._by_id else None
+            elif len(inputs) == 1 and self._re_expression(type(inputs[0])):
+                result = self._source(inputs[0], sources)
+            sources[node] = result
         return sources[node]
