@@ -130,7 +130,7 @@ def test_9_nan_clipping_norm_is_refused_and_a_diverging_run_stops(tmp_path, caps
 def test_10_synth_chunks_and_audit_files_with_unicode_line_separators(tmp_path):
     from dptext.attacks.audit_records import read_records
     from dptext.data.audit_split import AUDIT_DIR
-    from dptext.distill.synth import CHUNKS, read_chunks
+    from dptext.distill.chunked_generation import CHUNKS, read_chunks
     from dptext.runs import read_lines
 
     odd = ["next\u0085line", "para\u2028graph", "sep\u2029arated", "form\x0cfeed"]

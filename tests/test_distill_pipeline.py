@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dptext.cli.app import main
+from dptext.distill import chunked_generation
 from dptext.distill import synth as synth_module
 from dptext.distill.synth import synthesize
 from dptext.errors import UserError
@@ -72,7 +73,7 @@ def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, t
     assert straight["n"] == 10 and straight["splits"] == {"train": 7, "validation": 3}
 
     calls = {"n": 0}
-    real = synth_module.generate_batch
+    real = chunked_generation.generate_batch
 
     def crash_on_third_batch(*args, **kwargs):
         calls["n"] += 1
@@ -80,11 +81,11 @@ def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, t
             raise KeyboardInterrupt  # killed mid-run
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(synth_module, "generate_batch", crash_on_third_batch)
+    monkeypatch.setattr(chunked_generation, "generate_batch", crash_on_third_batch)
     with pytest.raises(KeyboardInterrupt):
         synthesize(teacher, tmp_path / "resumed", **settings)
-    assert synth_module.completed_chunks(tmp_path / "resumed") == 2 and not (tmp_path / "resumed/train.jsonl").exists()
-    monkeypatch.setattr(synth_module, "generate_batch", real)
+    assert chunked_generation.completed_chunks(tmp_path / "resumed") == 2 and not (tmp_path / "resumed/train.jsonl").exists()
+    monkeypatch.setattr(chunked_generation, "generate_batch", real)
     synthesize(teacher, tmp_path / "resumed", **settings)
     assert read(tmp_path / "resumed") == read(tmp_path / "straight")
     records = [json.loads(line) for text in read(tmp_path / "straight").values() for line in text.splitlines()]
