@@ -209,6 +209,26 @@ def test_an_input_changed_in_place_after_the_layer_read_it_stops_the_step(mode):
     assert not engine.clipped_grads()  # (ghost mode and the probe's reference: autograd itself raises here)
 
 
+def test_the_probe_refuses_in_one_sentence_when_its_own_reference_fails():
+    """An input changed in place after a layer read it makes plain autograd raise in the probe's reference pass
+    (in fp64 and again in the model's dtype): a refusal, not a traceback."""
+    outcome = verify_outcome(Tiny(input_changed_after_the_layer), "bookkeeping")
+    assert outcome.startswith("The start-up probe's reference") and "fix the model's forward" in outcome
+
+
+def test_longformer_passes_the_probe_in_its_own_dtype():
+    """Longformer's fp32 softmax mask makes plain autograd non-finite in fp64; the probe retries in fp32."""
+    from arch_cases import ARCHS, build  # tests/ helper: the matrix's tiny configs
+
+    model = build(next(a for a in ARCHS if a.name == "longformer")).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=4,
+                           dataset_size=100)
+    report = engine.verify()
+    assert any("model's dtype" in note for note in report.notes)
+    assert all(row.status in ("exact", "not reached") for row in report.rows.values())
+
+
 def test_a_view_output_changed_in_place_is_refused_in_per_sample():
     model = Tiny(sliced_output_scaled, extra=SlicedProjection())
     model.fc.requires_grad_(False)

@@ -49,6 +49,12 @@ def same_randomness(device: torch.device):
         yield
 
 
+class ReferenceFailed(RuntimeError):
+    """Plain per-example autograd itself fails or is not finite on the synthetic batch (Longformer's fp32 softmax
+    mask turns into -inf in fp64; an input changed in place after a layer read it): nothing to compare against.
+    The probe retries in the model's own dtype, then refuses."""
+
+
 def reference_gradients(engine, batch, loss_fn, device) -> tuple[Tensor, list[list[Tensor]]]:
     """The loss vector and each example's gradient of every planned parameter, by its own autograd pass."""
     params = engine.params
@@ -62,7 +68,13 @@ def reference_gradients(engine, batch, loss_fn, device) -> tuple[Tensor, list[li
         for i in range(len(loss) if loss.ndim == 1 else 0):
             row = torch.autograd.grad(loss[i], params, retain_graph=True, allow_unused=True)
             grads.append([torch.zeros_like(p) if g is None else g.detach() for g, p in zip(row, params)])
+        if not bool(torch.isfinite(loss).all()) or any(not bool(torch.isfinite(g).all()) for r in grads for g in r):
+            raise ReferenceFailed("non-finite losses or gradients")
         return loss.detach(), grads
+    except RuntimeError as error:
+        if isinstance(error, ReferenceFailed):
+            raise
+        raise ReferenceFailed(type(error).__name__) from error
     finally:
         for param, flag in zip(params, was):
             param.requires_grad_(flag)

@@ -27,8 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.probe_checks import probe_one, with_row
+from dptext.privacy.probe_checks import ReferenceFailed, probe_one, with_row
 
+REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
+                    "model's synthetic batch ({}; e.g. an input changed in place after a layer read it, or "
+                    "an fp32-only mask), so nothing can prove the clipping exact; fix the model's forward or "
+                    "freeze the layers involved.")
 PROBE_SHAPES = ((5, 3), (4, 4))  # (examples, positions): B ≠ T (B = 5: not a tiny label count or hidden size, so
 # the functional fallback can learn which inputs carry the batch), then B = T
 
@@ -171,7 +175,13 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
 
     try:
         try:
-            run_probes(dtype if device.type != "mps" else None)
+            if dtype is None or device.type == "mps":
+                try:
+                    run_probes(None)
+                except ReferenceFailed as error:
+                    raise UserError(REFERENCE_FAILED.format(error)) from error
+            else:
+                run_probes(dtype)
         except (RuntimeError, TypeError) as error:  # code that hard-wires a dtype: probe in the model's own
             if dtype is None:
                 raise
@@ -180,7 +190,10 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
                 row.status, row.why = "not reached", ""
             report.loss_problem = report.state_problem = None
             report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
-            run_probes(None)
+            try:
+                run_probes(None)
+            except ReferenceFailed as again:  # the brute-force reference itself fails: nothing proves the engine
+                raise UserError(REFERENCE_FAILED.format(again)) from again
     except (ValueError, KeyError) as error:  # the synthetic batch lacks an input the model needs (T5's decoder ids)
         raise UserError(f"The start-up probe could not run this model on its synthetic batch ({type(error).__name__} "
                         "in the forward); pass make_batch and loss_fn that fit the model to engine.verify(), or use "
