@@ -48,18 +48,34 @@ def _batch(vocab_size: int, batch_size: int, seq_len: int, device):
     return ids, torch.ones_like(ids)
 
 
+def _losses(model, ids, mask):
+    """Per-example losses: next-token for a causal LM, else a sequence classifier against labels drawn from ids."""
+    import torch
+
+    from dptext.privacy import per_example_loss
+
+    if _is_classifier(model):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        return torch.nn.functional.cross_entropy(logits, ids[:, 0] % logits.shape[-1], reduction="none")
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    return per_example_loss(logits, ids, mask, shift=True)
+
+
+def _is_classifier(model) -> bool:
+    return type(model).__name__.endswith("ForSequenceClassification")
+
+
 def _make_step(mode: str, model, batch_size: int):
     """(step(ids, mask), close()) for one training mode on ``model``."""
     import torch
 
-    from dptext.privacy import PrivacyEngine, per_example_loss
+    from dptext.privacy import PrivacyEngine
 
     if mode == "nonprivate":
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
 
         def step(ids, mask):
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            per_example_loss(logits, ids, mask, shift=True).mean().backward()
+            _losses(model, ids, mask).mean().backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -70,8 +86,7 @@ def _make_step(mode: str, model, batch_size: int):
                                expected_batch_size=batch_size, dataset_size=100 * batch_size, clipping_mode=mode)
 
         def step(ids, mask):
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            engine.step(per_example_loss(logits, ids, mask, shift=True))
+            engine.step(_losses(model, ids, mask))
 
         return step, engine.detach
     return _opacus_step(model, batch_size)
@@ -91,9 +106,16 @@ def _opacus_step(model, batch_size: int):
     criterion = DPLossFastGradientClipping(wrapped, optimizer, torch.nn.CrossEntropyLoss(), loss_reduction="mean")
 
     def step(ids, mask):
-        logits = wrapped(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-        targets = ids[:, 1:]
-        loss = criterion(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape)
+        if _is_classifier(model):  # labels drawn from the ids, as in _losses
+            # opacus needs every embedding's ids per example and contiguous (BERT broadcasts one row of each)
+            per_example = {"token_type_ids": torch.zeros_like(ids),
+                           "position_ids": torch.arange(ids.shape[1]).expand_as(ids).contiguous()}
+            logits = wrapped(input_ids=ids, attention_mask=mask, **per_example).logits
+            loss = criterion(logits, ids[:, 0] % logits.shape[-1])
+        else:
+            logits = wrapped(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+            targets = ids[:, 1:]
+            loss = criterion(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), shape=targets.shape)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -163,7 +185,8 @@ def measure(spec: dict) -> dict:
 
     torch.manual_seed(0)
     device = torch.device(spec["device"])
-    model, _ = load_model(spec["model"], head="causal_lm")
+    head = spec.get("head", "causal_lm")
+    model, _ = load_model(spec["model"], head=head, num_labels=2 if head == "sequence_classification" else None)
     model.to(device).train()
     if spec["mode"] == "opacus_untied":
         _untie(model)
