@@ -46,13 +46,25 @@ def _cross_term(first: tuple[Use, str], second: tuple[Use, str]) -> Tensor:
     return (grad_u.float() * grad_v.float()).flatten(1).sum(dim=1)
 
 
-def _sum_per_parameter(uses: list[Use], per_use) -> dict[nn.Parameter, Tensor]:
-    """Add up ``per_use(use)`` (a {parameter name: tensor} dict) over the uses of each parameter."""
+def _sum_per_parameter(uses: list[Use], per_use, release: bool = False) -> dict[nn.Parameter, Tensor]:
+    """Add up ``per_use(use)`` (a {parameter name: tensor} dict) over the uses of each parameter.
+
+    With ``release`` each use's stored tensors are dropped as soon as its share is computed, so the output
+    gradients of the layers already summed are freed while later layers are summed (book-keeping's peak)."""
     totals: dict[nn.Parameter, Tensor] = {}
+    owned: set[nn.Parameter] = set()  # totals this function allocated, safe to add into in place
     for use in uses:
         for name, value in per_use(use).items():
             param = use.module.get_parameter(name)
-            totals[param] = totals[param] + value if param in totals else value
+            if param not in totals:
+                totals[param] = value
+            elif param in owned:
+                totals[param].add_(value)  # a tied V×d matrix: no third copy while two are alive
+            else:
+                totals[param] = totals[param] + value
+                owned.add(param)
+        if release:
+            use.release()
     return totals
 
 
@@ -83,12 +95,15 @@ def clip_coefficients(norms_sq: dict[nn.Parameter, Tensor], max_grad_norm: float
 
 
 def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
-    """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping)."""
+    """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping).
+
+    The last thing a use's tensors are needed for (the norms and cross terms are known), so each use is released
+    as soon as its sum is formed."""
     def clipped_sum_of(use: Use) -> dict[str, Tensor]:
         use_coef = {name: coef[use.module.get_parameter(name)] for name in use.names}
         return use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output, use_coef)
 
-    return _sum_per_parameter(uses, clipped_sum_of)
+    return _sum_per_parameter(uses, clipped_sum_of, release=True)
 
 
 def per_example_grads(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
