@@ -2,7 +2,8 @@
 
     python benchmarks/bench_grid.py                       # the full grid → benchmarks/results/bench_cpu_grid.json
     python benchmarks/bench_grid.py --seq-lens 32,64 --batch-sizes 8 --out slice.json
-    python benchmarks/bench_grid.py --table benchmarks/results/bench_cpu_grid.json   # the README table
+    python benchmarks/bench_grid.py --table benchmarks/results/bench_cpu_grid.json   # print the table
+    python benchmarks/bench_grid.py --readme benchmarks/results/bench_cpu_grid.json  # put it into README.md
 
 Each cell (model, T, B) runs its modes round-robin, every mode in a fresh subprocess (dptext.bench.measure: the
 median step time, the subprocess's peak RSS), and appends its rows to the JSON as soon as it is done, so an
@@ -30,6 +31,7 @@ MODELS = {"smollm2-135m": ("causal_lm", ("nonprivate", "bookkeeping", "ghost", "
           "minilm-l6": ("sequence_classification", ("nonprivate", "bookkeeping", "ghost", "opacus"))}
 SEQ_LENS, BATCH_SIZES = (32, 64, 128, 256), (8, 32)
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "bench_cpu_grid.json"
+BEGIN, END = "<!-- bench-grid:begin (benchmarks/bench_grid.py --readme) -->", "<!-- bench-grid:end -->"
 LABELS = {"nonprivate": "non-private", "bookkeeping": "book-keeping", "ghost": "ghost",
           "opacus": "opacus 1.6", "opacus_untied": "opacus 1.6 (untied copy)"}
 
@@ -108,6 +110,18 @@ def render_table(rows: list[dict]) -> str:
     return "\n".join(lines + ["", "Measured on " + "; ".join(machines) + "."])
 
 
+def rewrite_readme(readme: Path, rows: list[dict], source: Path) -> None:
+    """Put the table of ``rows`` between the README's grid markers (the lead regenerates it after a full run)."""
+    text = readme.read_text()
+    start, end = text.index(BEGIN), text.index(END)
+    try:
+        shown = source.resolve().relative_to(ROOT)
+    except ValueError:
+        shown = source
+    block = f"{BEGIN}\nFrom `{shown}`:\n\n{render_table(rows)}\n"
+    readme.write_text(text[:start] + block + text[end:])
+
+
 def write_plot(rows: list[dict], path: Path) -> None:
     """Time and memory ratio against T, one line per model, batch size and private mode."""
     import matplotlib
@@ -152,9 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench_cpu_grid.png")
     parser.add_argument("--table", type=Path, help="only print the Markdown table of this grid file")
+    parser.add_argument("--readme", type=Path, help="only write the table of this grid file into README.md")
     args = parser.parse_args(argv)
     if args.table:
         print(render_table(read_rows(args.table)))
+        return
+    if args.readme:
+        rewrite_readme(ROOT / "README.md", read_rows(args.readme), args.readme)
         return
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]

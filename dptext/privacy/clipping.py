@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from dptext.privacy.capture import Use
 from dptext.privacy.norms import inner_product
+from dptext.privacy.norms.linear import shared_input_grams
 
 STABILITY = 1e-6  # the 1e-6 of SPEC §1: ḡ = g · min(1, C / (‖g‖ + 1e-6))
 
@@ -70,7 +71,8 @@ def _sum_per_parameter(uses: list[Use], per_use, release: bool = False) -> dict[
 
 def norm_sq_per_parameter(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
     """(B,) fp32 squared per-example gradient norm of each parameter, cross terms of shared ones included."""
-    norms = _sum_per_parameter(uses, lambda u: u.rule.norm_sq(u.module, u.names, u.activation, u.grad_output))
+    with shared_input_grams():
+        norms = _sum_per_parameter(uses, lambda u: u.rule.norm_sq(u.module, u.names, u.activation, u.grad_output))
     for param, param_uses in uses_by_parameter(uses).items():
         for i, first in enumerate(param_uses):
             for second in param_uses[i + 1:]:
