@@ -60,7 +60,7 @@ def measure_cell(model: str, seq_len: int, batch_size: int, steps: int, warmup: 
     head, modes = MODELS[model]
     spec = {"model": model, "head": head, "seq_len": seq_len, "batch_size": batch_size, "device": "cpu",
             "precision": "fp32", "steps": steps, "warmup": warmup, "max_batch": False}
-    load_before = load_average()
+    load_before, measured_commit = load_average(), commit()  # the code the cell starts with
     per_mode: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(rounds):
         for mode in modes:
@@ -68,7 +68,7 @@ def measure_cell(model: str, seq_len: int, batch_size: int, steps: int, warmup: 
     results = [bench.merge_rounds(per_mode[mode]) for mode in modes]
     bench.add_ratios(results)
     context = {"machine": bench.machine_description("cpu"), "date": datetime.date.today().isoformat(),
-               "commit": commit(), "load_average": [round(load_before, 2), round(load_average(), 2)],
+               "commit": measured_commit, "load_average": [round(load_before, 2), round(load_average(), 2)],
                "steps": steps * rounds}
     return [{"model": model, "seq_len": seq_len, "batch_size": batch_size, "mode": r["mode"], "status": r["status"],
              "time_s": r.get("step_s"), "peak_mb": r.get("peak_mb"), "time_ratio": r.get("time_ratio"),
@@ -118,7 +118,9 @@ def rewrite_readme(readme: Path, rows: list[dict], source: Path) -> None:
         shown = source.resolve().relative_to(ROOT)
     except ValueError:
         shown = source
-    block = f"{BEGIN}\nFrom `{shown}`:\n\n{render_table(rows)}\n"
+    caveat = " (a slice measured while the machine was shared: read the load column)" if "contended" in source.name \
+        else ""
+    block = f"{BEGIN}\nFrom `{shown}`{caveat}:\n\n{render_table(rows)}\n"
     readme.write_text(text[:start] + block + text[end:])
 
 
