@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from dptext.privacy.capture import Use
 from dptext.privacy.norms import inner_product
+from dptext.privacy.norms.linear import shared_input_grams
 
 STABILITY = 1e-6  # the 1e-6 of SPEC §1: ḡ = g · min(1, C / (‖g‖ + 1e-6))
 
@@ -46,19 +47,32 @@ def _cross_term(first: tuple[Use, str], second: tuple[Use, str]) -> Tensor:
     return (grad_u.float() * grad_v.float()).flatten(1).sum(dim=1)
 
 
-def _sum_per_parameter(uses: list[Use], per_use) -> dict[nn.Parameter, Tensor]:
-    """Add up ``per_use(use)`` (a {parameter name: tensor} dict) over the uses of each parameter."""
+def _sum_per_parameter(uses: list[Use], per_use, release: bool = False) -> dict[nn.Parameter, Tensor]:
+    """Add up ``per_use(use)`` (a {parameter name: tensor} dict) over the uses of each parameter.
+
+    With ``release`` each use's stored tensors are dropped as soon as its share is computed, so the output
+    gradients of the layers already summed are freed while later layers are summed (book-keeping's peak)."""
     totals: dict[nn.Parameter, Tensor] = {}
+    owned: set[nn.Parameter] = set()  # totals this function allocated, safe to add into in place
     for use in uses:
         for name, value in per_use(use).items():
             param = use.module.get_parameter(name)
-            totals[param] = totals[param] + value if param in totals else value
+            if param not in totals:
+                totals[param] = value
+            elif param in owned:
+                totals[param].add_(value)  # a tied V×d matrix: no third copy while two are alive
+            else:
+                totals[param] = totals[param] + value
+                owned.add(param)
+        if release:
+            use.release()
     return totals
 
 
 def norm_sq_per_parameter(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
     """(B,) fp32 squared per-example gradient norm of each parameter, cross terms of shared ones included."""
-    norms = _sum_per_parameter(uses, lambda u: u.rule.norm_sq(u.module, u.names, u.activation, u.grad_output))
+    with shared_input_grams():
+        norms = _sum_per_parameter(uses, lambda u: u.rule.norm_sq(u.module, u.names, u.activation, u.grad_output))
     for param, param_uses in uses_by_parameter(uses).items():
         for i, first in enumerate(param_uses):
             for second in param_uses[i + 1:]:
@@ -83,12 +97,15 @@ def clip_coefficients(norms_sq: dict[nn.Parameter, Tensor], max_grad_norm: float
 
 
 def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
-    """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping)."""
+    """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping).
+
+    The last thing a use's tensors are needed for (the norms and cross terms are known), so each use is released
+    as soon as its sum is formed."""
     def clipped_sum_of(use: Use) -> dict[str, Tensor]:
         use_coef = {name: coef[use.module.get_parameter(name)] for name in use.names}
         return use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output, use_coef)
 
-    return _sum_per_parameter(uses, clipped_sum_of)
+    return _sum_per_parameter(uses, clipped_sum_of, release=True)
 
 
 def per_example_grads(uses: list[Use]) -> dict[nn.Parameter, Tensor]:

@@ -106,15 +106,18 @@ class DPOptimizer:
         self.noise.reseed_if_secure()
         std = self.noise_multiplier * self.max_grad_norm if self.adds_noise else 0.0
         noisy_sums = {}
+        # In place, and each clipped sum dropped once its noise is added: a model-sized copy at a time, not three
+        # (the sums, the noisy sums and the grads all alive at once made this the peak of a book-keeping step).
         for param in self.params:
-            total = self.summed.get(param)
+            total = self.summed.pop(param, None)
             noisy = self.noise.normal(std, param) if std > 0 else torch.zeros_like(param, dtype=torch.float32)
-            noisy_sums[param] = noisy if total is None else total + noisy
+            noisy_sums[param] = noisy if total is None else noisy.add_(total)
+            del total
         if self.reduce is not None:
             noisy_sums = self.reduce(noisy_sums)
         if self.scale is not None:
-            noisy_sums = {param: total * self.scale[param] for param, total in noisy_sums.items()}
-        grads = {param: total / self.expected_batch_size for param, total in noisy_sums.items()}
+            noisy_sums = {param: total.mul_(self.scale[param]) for param, total in noisy_sums.items()}
+        grads = {param: total.div_(self.expected_batch_size) for param, total in noisy_sums.items()}
         self.zero_grad()
         return grads
 

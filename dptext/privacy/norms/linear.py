@@ -11,6 +11,9 @@ Whatever form gave the norm, the clipped sum is one weighted GEMM, Σ_i c_i G_i 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 from torch import Tensor, nn
 
@@ -27,11 +30,41 @@ def use_ghost_form(positions: int, out_features: int, in_features: int) -> bool:
     return 2 * positions * positions < out_features * in_features
 
 
+# Layers fed the same input tensor (q/k/v projections, gate/up) need the same input Gram a aᵀ, and their uses come
+# one after another in forward order: within one norm pass the last input's Gram is kept for the next layer. The key
+# is the input's memory (address, layout, dtype, version counter) and the slot holds the tensor itself, so no other
+# tensor can own that address meanwhile: equal keys mean equal bytes. One slot: memory stays one B×T×T Gram.
+_LAST_INPUT_GRAM: ContextVar[list | None] = ContextVar("last_input_gram", default=None)
+
+
+@contextmanager
+def shared_input_grams():
+    token = _LAST_INPUT_GRAM.set([None, None, None])  # key, tensor, Gram
+    try:
+        yield
+    finally:
+        _LAST_INPUT_GRAM.reset(token)
+
+
+def _gram(x: Tensor) -> Tensor:
+    x = x.float()
+    return torch.bmm(x, x.transpose(1, 2))
+
+
+def input_gram(a: Tensor) -> Tensor:
+    slot = _LAST_INPUT_GRAM.get()
+    if slot is None:
+        return _gram(a)
+    key = (a.data_ptr(), tuple(a.shape), a.stride(), a.dtype, a.device, a._version)
+    if slot[0] != key:
+        slot[:] = [key, a, _gram(a)]
+    return slot[2]
+
+
 def ghost_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     if a.shape[1] == 1:
         return a.float().pow(2).sum(dim=(1, 2)) * g.float().pow(2).sum(dim=(1, 2))
-    a, g = a.float(), g.float()
-    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
+    return (input_gram(a) * _gram(g)).sum(dim=(1, 2))
 
 
 def instantiated_norm_sq(a: Tensor, g: Tensor) -> Tensor:

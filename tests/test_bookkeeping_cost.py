@@ -1,0 +1,41 @@
+"""The book-keeping cost work of issue 19 changes no result: the in-place noise step and the shared input Grams."""
+
+from __future__ import annotations
+
+import torch
+
+from dptext.privacy.norms import linear
+from dptext.privacy.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.randomness import RandomRoot
+
+
+def test_in_place_noise_step_draws_the_same_gradient_and_leaves_the_clipped_sums_alone():
+    params = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    sums = {params[0]: torch.randn(3, 4)}  # the second parameter has no clipped sum: noise only
+    kept = {param: total.clone() for param, total in sums.items()}
+    optimizer = DPOptimizer(torch.optim.SGD(params, lr=1.0), params, noise_multiplier=0.7, max_grad_norm=2.0,
+                            expected_batch_size=4.0, noise=NoiseSource(RandomRoot(5)))
+    optimizer.add_clipped_sums(sums, 4)
+    grads = optimizer.privatized_grads()
+    reference = NoiseSource(RandomRoot(5))
+    expected = [(kept[params[0]] + reference.normal(1.4, params[0])) / 4.0, reference.normal(1.4, params[1]) / 4.0]
+    assert torch.equal(grads[params[0]], expected[0]) and torch.equal(grads[params[1]], expected[1])
+    assert torch.equal(sums[params[0]], kept[params[0]]) and optimizer.summed == {}
+
+
+def test_layers_reading_one_input_share_its_gram_and_get_the_norms_they_would_alone(monkeypatch):
+    torch.manual_seed(0)
+    a = torch.randn(3, 5, 4, dtype=torch.float64)
+    grads = [torch.randn(3, 5, 6, dtype=torch.float64) for _ in range(2)]
+    alone = [linear.ghost_norm_sq(a, g) for g in grads]
+    brute = [torch.einsum("btp,btd->bpd", g, a).pow(2).sum(dim=(1, 2)) for g in grads]
+    computed = []
+    monkeypatch.setattr(linear, "_gram", lambda x, _gram=linear._gram: computed.append(x) or _gram(x))
+    with linear.shared_input_grams():
+        shared = [linear.ghost_norm_sq(a.detach(), g) for g in grads]  # a new tensor object, the same memory
+        other = a.clone()  # equal values, other memory: a Gram of its own
+        linear.ghost_norm_sq(other, grads[0])
+    assert sum(x is not other and x.data_ptr() == a.data_ptr() for x in computed) == 1
+    assert any(x is other for x in computed)
+    for got, single, exact in zip(shared, alone, brute):
+        assert torch.equal(got, single) and torch.allclose(got, exact.float(), rtol=1e-5)
