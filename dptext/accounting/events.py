@@ -54,10 +54,14 @@ def check_sample_rate(q: float) -> float:
     return float(q)
 
 
+def _positive_finite(value: float, what: str) -> float:
+    if not _is_number(value) or not 0 < value < math.inf:
+        raise UserError(f"{what} must be a positive number, got {value!r}.")
+    return float(value)
+
+
 def check_noise_multiplier(sigma: float) -> float:
-    if not _is_number(sigma) or not 0 < sigma < math.inf:
-        raise UserError(f"The noise multiplier σ must be a positive number, got {sigma!r}.")
-    return float(sigma)
+    return _positive_finite(sigma, "The noise multiplier σ")
 
 
 def check_delta(delta: float) -> float:
@@ -67,9 +71,7 @@ def check_delta(delta: float) -> float:
 
 
 def check_epsilon(epsilon: float) -> float:
-    if not _is_number(epsilon) or not 0 < epsilon < math.inf:
-        raise UserError(f"The target ε must be a positive number, got {epsilon!r}.")
-    return float(epsilon)
+    return _positive_finite(epsilon, "The target ε")
 
 
 def check_steps(steps: int) -> int:

@@ -1,26 +1,16 @@
 """The DP engine: per-example clipping without per-example gradients, DP optimizers, Poisson sampling.
 
-Exports are lazy so that ``import dptext.privacy`` (and the CLI's --help) does not import torch.
+Importing it imports torch; the CLI keeps ``--help`` fast by importing its command's library module only when
+the command runs (dptext/cli/).
 """
 
 from __future__ import annotations
 
-import importlib
+from dptext.privacy.edp import EDPEngine
+from dptext.privacy.engine import PrivacyEngine
+from dptext.privacy.losses import causal_lm_loss, per_example_loss
+from dptext.privacy.optimizer import DPOptimizer
+from dptext.privacy.sampler import PoissonSampler, ShuffleSampler
 
-_EXPORTS = {
-    "PrivacyEngine": "dptext.privacy.engine",
-    "EDPEngine": "dptext.privacy.edp",
-    "DPOptimizer": "dptext.privacy.optimizer",
-    "PoissonSampler": "dptext.privacy.sampler",
-    "ShuffleSampler": "dptext.privacy.sampler",
-    "per_example_loss": "dptext.privacy.losses",
-    "causal_lm_loss": "dptext.privacy.losses",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'dptext.privacy' has no attribute {name!r}")
+__all__ = ["DPOptimizer", "EDPEngine", "PoissonSampler", "PrivacyEngine", "ShuffleSampler", "causal_lm_loss",
+           "per_example_loss"]
