@@ -125,6 +125,8 @@ SYNTH_ENTRIES = (
     Entry("training_copies_not_private.json", NOT_COVERED, "how many synthetic texts copy a private training text",
           "compares with the private training texts exactly (--check-training-copies); for the data owner"),
     Entry("provenance.json", PUBLIC, "teacher run, its ε/δ, the code mechanism and its ε, software versions"),
+    Entry("ledger.json", COVERED, "ε and δ spent: the teacher's DP-SGD run and the code histogram, composed",
+          "functions of the settings", dp_result=True),
 )
 
 REGISTRIES = {"run": RUN_ENTRIES, "synth": SYNTH_ENTRIES}

@@ -122,6 +122,9 @@ def test_teacher_synth_distill_carry_the_privacy_claim(teacher, tmp_path, capsys
     assert provenance["code_distribution"]["mechanism"] == "gaussian"
     assert provenance["privacy"]["epsilon"] == pytest.approx(eps_teacher + 0.5)
     assert provenance["privacy"]["delta"] == pytest.approx(delta_teacher + 1e-6)
+    ledger = json.loads((synthetic / "ledger.json").read_text())
+    assert [m["epsilon"] for m in ledger["mechanisms"]] == [eps_teacher, 0.5] and release["ledger.json"] == "covered"
+    assert ledger["total"]["epsilon"] == pytest.approx(eps_teacher + 0.5)
 
     recipe = write_recipe(tmp_path / "distill.yaml", name="student", data=SLICE, task=TASK,
                           privacy={"target_epsilon": 2.5}, train={"batch_size": 4, "max_steps": 3},

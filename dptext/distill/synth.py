@@ -17,6 +17,7 @@ Output folder (every file registered in ``dptext.release``, listed with its stat
     validation.jsonl
     summary.json       code coverage, lengths, duplicates, throughput (of the synthetic records only)
     provenance.json    teacher run, its ε/δ and accountant, code mechanism and its ε, total ε
+    ledger.json        ε and δ spent: the teacher's DP-SGD run and the code histogram, composed
     training_copies_not_private.json   with --check-training-copies: copies of private texts (not covered)
     release.json       what ε covers
 
@@ -46,7 +47,7 @@ from dptext.provenance import provenance
 from dptext.release import inherited_flags
 from dptext.runs import RunDir, atomic_write_json, atomic_write_text, write_manifest
 
-PLAN, SUMMARY, PROVENANCE = "plan.json", "summary.json", "provenance.json"
+PLAN, SUMMARY, PROVENANCE, LEDGER = "plan.json", "summary.json", "provenance.json", "ledger.json"
 TRAINING_COPIES = "training_copies_not_private.json"
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
 
@@ -93,6 +94,18 @@ def combined_privacy(teacher: dict[str, Any], codes: CodeDistribution) -> dict[s
     else:
         note = "DP code histogram over the declared code domain: counts and support protected"
     return {**total, "composition": "basic: ε = ε_teacher + ε_codes, δ = δ_teacher + δ_codes", "note": note}
+
+
+def synth_ledger(teacher: dict[str, Any], codes: CodeDistribution) -> dict[str, Any]:
+    """What the synthetic data spent, mechanism by mechanism: the teacher's DP-SGD run and the code histogram,
+    composed (``combined_privacy``). The teacher's own step-by-step ledger stays in its run directory."""
+    spent = [{"mechanism": "DP-SGD (teacher)", "run": teacher["teacher_run"], "epsilon": teacher["epsilon"],
+              "delta": teacher["delta"], "accountant": teacher["accountant"]}]
+    if codes.mechanism != "exact":
+        spent.append({"mechanism": f"{codes.mechanism} code histogram", "epsilon": codes.epsilon,
+                      "delta": codes.delta})
+    return {"kind": "dptext synthetic data: privacy ledger", "mechanisms": spent,
+            "total": combined_privacy(teacher, codes)}
 
 
 # --------------------------------------------------------------------------- the plan (resume contract)
@@ -226,5 +239,6 @@ def finish(out: Path, plan: dict[str, Any], info: dict[str, Any], speed: dict[st
         "control_codes": info["recipe"].task.control_codes, "code_distribution": codes,
         "privacy": combined_privacy(info["privacy"], distribution),
         "generation": plan["settings"], "n": plan["n"], "seed": plan["seed"], "software": provenance()})
+    atomic_write_json(out / LEDGER, synth_ledger(info["privacy"], distribution))
     write_manifest(out, "synth")
     return summary
