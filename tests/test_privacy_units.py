@@ -40,12 +40,13 @@ def padded_batch(rows: int = 6, length: int = 10, seed: int = 0) -> dict:
 
 def losses(model: nn.Module, batch: dict, rows) -> torch.Tensor:
     logits = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows]).logits
-    return per_example_loss(logits, batch["labels"][rows], batch["attention_mask"][rows], shift=True,
+    causal = not model.config.model_type.startswith("bert")
+    return per_example_loss(logits, batch["labels"][rows], batch["attention_mask"][rows], shift=causal,
                             reduction="sum")
 
 
 def tiny(name: str) -> nn.Module:
-    model, _ = load_model(name, head="causal_lm")
+    model, _ = load_model(name, head="masked_lm" if name == "tiny-bert" else "causal_lm")
     return model.double()
 
 
@@ -100,6 +101,16 @@ def test_per_unit_clipping_matches_per_unit_autograd(name, mode, layout):
     norms, expected = per_unit_brute_force(copy.deepcopy(model), batch, UNITS, layout == "per_layer")
     assert float(norms.max()) > CLIP  # the clipping really bites for some unit
     got_norms, got = engine_sums(model, batch, UNITS, mode, layout)
+    torch.testing.assert_close(got_norms.double(), norms, rtol=RTOL, atol=1e-7)
+    assert_sums_match(got, expected)
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
+def test_per_unit_clipping_on_bert_position_and_token_type_tables(mode):
+    # untied tables looked up by position (no outer form of their own: instantiated per unit) and LayerNorms
+    model, batch = tiny("tiny-bert"), padded_batch()
+    norms, expected = per_unit_brute_force(copy.deepcopy(model), batch, UNITS, per_layer=False)
+    got_norms, got = engine_sums(model, batch, UNITS, mode)
     torch.testing.assert_close(got_norms.double(), norms, rtol=RTOL, atol=1e-7)
     assert_sums_match(got, expected)
 

@@ -79,9 +79,13 @@ def unit_gradient(use, name: str, count: int, dense: bool = False) -> OuterForm 
     """Parameter ``name``'s per-unit gradient G_u = Σ_{rows of u} G_row in this use: a regrouped outer form where the
     rule has one (no p×d matrix per unit), else (or with ``dense``) instantiated and summed per unit."""
     form = None if dense else _outer_form(use, name)
-    if form is not None:
+    rows = len(use.units)
+    if form is not None and form.left.shape[0] == form.right.shape[0] == rows:
         return form_by_unit(form, use.units, count)
     per_row = use.rule.per_example(use.module, (name,), use.activation, use.grad_output)[name]
+    if per_row.shape[0] != rows:  # fail closed: rows we cannot map to units are never guessed
+        raise UserError(f"Parameter '{name}' of {type(use.module).__name__} has per-row gradients that are not one "
+                        "per recorded row, so they cannot be grouped into units; use units=None or freeze it.")
     return sum_by_unit(per_row.float(), use.units, count)
 
 
