@@ -162,3 +162,24 @@ def test_units_of_the_wrong_shape_are_refused():
     engine = make_engine(model, "bookkeeping")
     with pytest.raises(UserError, match="one unit id per example"):
         engine.accumulate(losses(model, batch, torch.arange(6)), units=torch.tensor([0.0, 1, 2, 3, 4, 5]))
+
+
+def test_user_batches_from_the_engine_clip_each_user_within_c():
+    # the engine's own user sampler (q over users) feeds accumulate; every user's summed gradient is clipped to C
+    model, batch = tiny("tiny-gpt2"), padded_batch()
+    users = [[0, 2, 5], [1, 4], [3]]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=CLIP, sample_rate=0.7,
+                           dataset_size=len(users), seed=0)
+    steps = list(engine.user_sampler(users, max_examples_per_user=2, steps=6))
+    assert any(len(set(step.users)) > 1 for step in steps) and all(len(step.indices) <= 5 for step in steps)
+    for step in steps:
+        if not step.indices:
+            continue
+        engine.zero_grad()
+        norms = engine.accumulate(losses(model, batch, torch.tensor(step.indices)), units=step.users)
+        assert norms.shape == (len(set(step.users)),)
+        total = math.sqrt(sum(float(t.pow(2).sum()) for t in engine.clipped_grads().values()))
+        assert total <= len(set(step.users)) * CLIP * (1 + 1e-6)
+    with pytest.raises(UserError, match="number of users"):
+        engine.user_sampler(users + [[6]], max_examples_per_user=2, steps=1)

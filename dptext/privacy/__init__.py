@@ -13,6 +13,8 @@ _EXPORTS = {
     "DPOptimizer": "dptext.privacy.optimizer",
     "PoissonSampler": "dptext.privacy.sampler",
     "ShuffleSampler": "dptext.privacy.sampler",
+    "UserPoissonSampler": "dptext.privacy.user_sampler",
+    "UserBatch": "dptext.privacy.user_sampler",
     "per_example_loss": "dptext.privacy.losses",
     "causal_lm_loss": "dptext.privacy.losses",
 }

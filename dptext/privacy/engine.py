@@ -47,6 +47,7 @@ from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
 from dptext.privacy.step_checks import check_trainable_set, parameter_names
 from dptext.privacy.units import LogicalBatchUnits, unit_index
+from dptext.privacy.user_sampler import UserPoissonSampler, make_user_sampler
 from dptext.privacy.verify import probe as verify_probe
 
 CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
@@ -178,7 +179,8 @@ class PrivacyEngine:
 
         ``units`` (user-level DP): the privacy unit of each example; each unit's summed gradient is clipped to C as
         one vector (``privacy/units.py``), and all of a unit's examples must come in one call. None: one unit per
-        example. Returns the whole-model gradient norms before clipping, one per unit (for logging)."""
+        example. Returns the whole-model gradient norms before clipping (for logging): one per unit in sorted id
+        order, or per example in batch order where every unit is one example."""
         if per_example_loss.ndim != 1:
             raise UserError("Pass one loss per example (a 1-D tensor, e.g. from dptext.privacy.per_example_loss), "
                             "not a batch-averaged scalar.")
@@ -230,6 +232,14 @@ class PrivacyEngine:
         if self.dataset_size is None:
             raise UserError("The engine needs dataset_size to sample batches.")
         return make_sampler(self.dataset_size, self.sample_rate, steps, self.root, self.sampling, self.distributed)
+
+    def user_sampler(self, users: list[list[int]], max_examples_per_user: int, steps: int) -> UserPoissonSampler:
+        """User-level Poisson batches (``privacy/user_sampler.py``) at this engine's rate, from its sampler stream:
+        the engine's dataset_size must count users (q is over users); pass each batch's ``users`` as ``units``."""
+        if self.dataset_size != len(users):
+            raise UserError(f"The engine is accounted for {self.dataset_size} units but {len(users)} users were "
+                            "given; build it with dataset_size = the number of users (q is over users).")
+        return make_user_sampler(users, self.sample_rate, steps, max_examples_per_user, self.root)
 
     @classmethod
     def from_target_epsilon(cls, model: nn.Module, optimizer: torch.optim.Optimizer, *, target_epsilon: float,
