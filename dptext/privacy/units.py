@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dptext.errors import UserError
+from dptext.privacy.norms.linear import use_ghost_form
 from dptext.privacy.norms.outer import OuterForm, inner_product
 
 
@@ -89,6 +90,14 @@ def unit_gradient(use, name: str, count: int, dense: bool = False) -> OuterForm 
     return sum_by_unit(per_row.float(), use.units, count)
 
 
+def instantiated_if_smaller(form: OuterForm) -> OuterForm | Tensor:
+    """The Linear rule's mixed choice for a unit's longer row of P positions: its Gram form costs O(P²), the
+    instantiated (count, m, n) gradient O(m·n); the cheaper one (an untied parameter only: no cross term needs it)."""
+    if use_ghost_form(form.left.shape[1], form.left.shape[2], form.right.shape[2]):
+        return form
+    return torch.bmm(form.left.float().transpose(1, 2), form.right.float())
+
+
 def unit_inner_product(first: OuterForm | Tensor, second: OuterForm | Tensor) -> Tensor:
     """(count,) ⟨G_u, H_u⟩ of two per-unit gradients of one parameter, in fp32."""
     if isinstance(first, OuterForm):
@@ -103,6 +112,8 @@ def unit_norm_sq_per_parameter(uses_of_parameter: dict, count: int) -> dict:
     norms = {}
     for param, entries in uses_of_parameter.items():
         grads = [unit_gradient(use, name, count) for use, name in entries]
+        if len(grads) == 1 and isinstance(grads[0], OuterForm) and not grads[0].left_is_ids:
+            grads = [instantiated_if_smaller(grads[0])]
         if len({isinstance(grad, OuterForm) for grad in grads}) > 1:  # a shared parameter, one use without a form
             grads = [unit_gradient(use, name, count, dense=True) for use, name in entries]
         total = unit_inner_product(grads[0], grads[0])
