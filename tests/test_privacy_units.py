@@ -183,3 +183,50 @@ def test_user_batches_from_the_engine_clip_each_user_within_c():
         assert total <= len(set(step.users)) * CLIP * (1 + 1e-6)
     with pytest.raises(UserError, match="number of users"):
         engine.user_sampler(users + [[6]], max_examples_per_user=2, steps=1)
+
+
+class AttentionClassifier(nn.Module):
+    """Embedding with a padding row, torch's MultiheadAttention, LayerNorm and a linear head, in fp64."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(30, 8, padding_idx=0)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+        self.double()
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        x = self.norm(x + self.attention(x, x, x, need_weights=False)[0])
+        return self.head(x.mean(dim=1))
+
+
+@pytest.mark.parametrize("mode,layout", LAYOUTS)
+def test_per_unit_clipping_through_multihead_attention(mode, layout):
+    ids = torch.randint(1, 30, (6, 5), generator=torch.Generator().manual_seed(1))
+    ids[1, 3:] = 0
+    labels = torch.tensor([0, 1, 2, 1, 0, 2])
+
+    def unit_losses(model, rows):
+        return nn.functional.cross_entropy(model(ids[rows]), labels[rows], reduction="none")
+
+    model = AttentionClassifier()
+    reference = copy.deepcopy(model)
+    named = [(n, p) for n, p in reference.named_parameters()]
+    grads = [torch.autograd.grad(unit_losses(reference, (UNITS == u).nonzero().flatten()).sum(),
+                                 [p for _, p in named]) for u in UNITS.unique().tolist()]
+    norms = torch.stack([torch.stack([g.pow(2).sum() for g in unit]).sum().sqrt() for unit in grads])
+    assert float(norms.max()) > CLIP  # the clipping bites
+    per_layer = layout == "per_layer"
+    expected = {}
+    for k, (name, _) in enumerate(named):
+        coef = [min(1.0, CLIP / math.sqrt(len(named)) / (float(unit[k].norm()) + 1e-6)) for unit in grads] \
+            if per_layer else (CLIP / (norms + 1e-6)).clamp(max=1.0).tolist()
+        expected[name] = sum(c * unit[k] for c, unit in zip(coef, grads))
+    engine = make_engine(model, mode, layout)
+    got_norms = engine.accumulate(unit_losses(model, torch.arange(6)), units=UNITS)
+    torch.testing.assert_close(got_norms.double(), norms, rtol=RTOL, atol=1e-7)
+    names = {param: name for name, param in model.named_parameters()}
+    assert_sums_match({names[p]: t for p, t in engine.clipped_grads().items()}, expected)
