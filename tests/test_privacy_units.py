@@ -162,6 +162,8 @@ def test_units_of_the_wrong_shape_are_refused():
     engine = make_engine(model, "bookkeeping")
     with pytest.raises(UserError, match="one unit id per example"):
         engine.accumulate(losses(model, batch, torch.arange(6)), units=torch.tensor([0.0, 1, 2, 3, 4, 5]))
+    engine.zero_grad()
+    engine.accumulate(losses(model, batch, torch.arange(6)), units=UNITS)  # the batch is usable again after zero_grad
 
 
 def test_user_batches_from_the_engine_clip_each_user_within_c():

@@ -187,8 +187,8 @@ class PrivacyEngine:
         if units is not None and self.distributed is not None:
             raise UserError("Per-unit clipping is not supported across processes yet (a unit split over ranks "
                             "would be clipped once per rank); train user-level DP in one process.")
+        unit_ids = unit_index(units, per_example_loss.numel(), per_example_loss.device)  # checked before recorded
         self.batch_units.add(units, per_example_loss.numel())
-        unit_ids = unit_index(units, per_example_loss.numel(), per_example_loss.device)
         if per_example_loss.numel() == 0:
             self.recorder.take_uses()
             return per_example_loss.detach().float()

@@ -39,7 +39,8 @@ def unit_index(units, examples: int, device: torch.device) -> UnitIndex | None:
     if units is None:
         return None
     units = torch.as_tensor(units, device=device)
-    if units.ndim != 1 or len(units) != examples or units.is_floating_point() or units.is_complex():
+    if units.ndim != 1 or len(units) != examples or units.is_floating_point() or units.is_complex() \
+            or units.dtype == torch.bool:
         raise UserError(f"units must be a 1-D integer tensor with one unit id per example ({examples}); got shape "
                         f"{tuple(units.shape)} of {units.dtype}.")
     _, of_example = torch.unique(units, return_inverse=True)
