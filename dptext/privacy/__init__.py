@@ -11,6 +11,7 @@ from dptext.privacy.engine import PrivacyEngine
 from dptext.privacy.losses import causal_lm_loss, per_example_loss
 from dptext.privacy.optimizer import DPOptimizer
 from dptext.privacy.sampler import PoissonSampler, ShuffleSampler
+from dptext.privacy.user_sampler import UserBatch, UserPoissonSampler
 
-__all__ = ["DPOptimizer", "EDPEngine", "PoissonSampler", "PrivacyEngine", "ShuffleSampler", "causal_lm_loss",
-           "per_example_loss"]
+__all__ = ["DPOptimizer", "EDPEngine", "PoissonSampler", "PrivacyEngine", "ShuffleSampler", "UserBatch",
+           "UserPoissonSampler", "causal_lm_loss", "per_example_loss"]

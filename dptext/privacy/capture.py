@@ -9,8 +9,8 @@ Fail closed (SPEC §2 (a)–(c), docs/privacy_engine.md):
 * **Rows → units.** The number of examples comes from the model's own inputs (``input_ids`` …, recorded by a
   pre-hook on the model), never from a layer's shape. Each use carries ``units``, the privacy unit of each of its
   rows (``arange(B)``: one example per row); a use whose rows are not the batch's examples (experts fed gathered
-  tokens, a sequence-first layer) stops the step naming the layer. User-level DP (issue 24) would hand a
-  row → user map here and sum rows of one user with the same Gram cross terms the tied weights use.
+  tokens, a sequence-first layer) stops the step naming the layer. With user-level DP the engine maps these rows
+  on to users before clipping (``privacy/units.py``: a unit's rows summed with Gram cross terms, as tied weights).
 * **Our hook runs first** (``prepend=True``) and binds keyword inputs to the forward's signature, so the recorded
   output is the one the weight produced, even when other hooks rewrite it afterwards; a module called with more
   inputs than its rule describes is refused unless the start-up probe verified it (``verified``).

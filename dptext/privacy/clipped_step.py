@@ -18,6 +18,7 @@ from torch import Tensor
 from dptext.errors import UserError
 from dptext.privacy import clipping
 from dptext.privacy.step_checks import check_invariant, checked_uses
+from dptext.privacy.units import UnitIndex, unit_gradients_instantiated
 
 
 @contextmanager
@@ -36,20 +37,33 @@ def coefficients(engine, norms_sq):
     return clipping.clip_coefficients(norms_sq, engine.max_grad_norm, engine.clipping_layout, len(engine.params))
 
 
-def clip_recorded(engine, per_example_loss: Tensor) -> Tensor:
-    """Book-keeping and per_sample, after the one backward pass: returns the (B,) per-example norms."""
+def units_of_rows(uses: list, units: UnitIndex | None) -> int:
+    """Each use's rows mapped from examples to units (``privacy/units.py``); returns the number of units."""
+    if units is None:
+        return uses[0].batch_size
+    for use in uses:
+        use.units = units.of_example[use.units.to(units.of_example.device)].to(use.units.device)
+    return units.count
+
+
+def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = None) -> Tensor:
+    """Book-keeping and per_sample, after the one backward pass: returns the (B,) per-example norms (with
+    ``units``, the per-unit norms)."""
     uses = checked_uses(engine, per_example_loss)
+    count = units_of_rows(uses, units)
     with exact_arithmetic(engine):
         if engine.clipping_mode == "bookkeeping":
-            norms_sq = clipping.norm_sq_per_parameter(uses)
+            norms_sq = clipping.norm_sq_per_parameter(uses, units)
             coef, norms = coefficients(engine, norms_sq)
-            sums = clipping.clipped_sums(uses, coef)
+            sums = clipping.clipped_sums(uses, coef, per_unit=units is not None)
         else:
             grads = clipping.per_example_grads(uses)
+            if units is not None:
+                grads = unit_gradients_instantiated(grads, units)
             norms_sq = clipping.norm_sq_from_per_example(grads)
             coef, norms = coefficients(engine, norms_sq)
             sums = clipping.clipped_sums_from_per_example(grads, coef)
-        add_checked(engine, sums, norms_sq, norms, uses[0].batch_size)
+        add_checked(engine, sums, norms_sq, norms, count)
     return norms
 
 
@@ -60,8 +74,8 @@ def add_checked(engine, sums, norms_sq, norms, units: int) -> None:
     engine.dp_optimizer.add_clipped_sums(sums, units)
 
 
-def ghost_backward(engine, per_example_loss: Tensor) -> Tensor:
-    """Ghost clipping's two passes; returns the (B,) per-example norms."""
+def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = None) -> Tensor:
+    """Ghost clipping's two passes; returns the (B,) per-example norms (with ``units``, the per-unit norms)."""
     param = engine.outside_reads.outside_read(per_example_loss)
     engine.outside_reads.clear()
     if param is not None:
@@ -73,18 +87,22 @@ def ghost_backward(engine, per_example_loss: Tensor) -> Tensor:
     # Pass 1 differentiates only down to the recorded layer outputs: no weight gradients are formed.
     torch.autograd.grad(per_example_loss.sum(), engine.recorder.outputs(), retain_graph=True, allow_unused=True)
     uses = checked_uses(engine, per_example_loss)
+    count = units_of_rows(uses, units)
     with exact_arithmetic(engine):
-        norms_sq = clipping.norm_sq_per_parameter(uses)
+        norms_sq = clipping.norm_sq_per_parameter(uses, units)
         coef, norms = coefficients(engine, norms_sq)
     for use in uses:  # pass 2 needs none of them; the retained graph would keep them alive
         use.release()
     del uses
     for param in engine.params:
         param.grad = None
-    (per_example_loss * next(iter(coef.values())).detach()).sum().backward()
+    factor = next(iter(coef.values())).detach()  # all_layer: one factor per unit, shared by every parameter
+    if units is not None:
+        factor = factor[units.of_example.to(factor.device)]
+    (per_example_loss * factor).sum().backward()
     sums = {param: param.grad for param in engine.params if param.grad is not None}
     for param in engine.params:
         param.grad = None
     with exact_arithmetic(engine):
-        add_checked(engine, sums, norms_sq, norms, len(per_example_loss))
+        add_checked(engine, sums, norms_sq, norms, count)
     return norms

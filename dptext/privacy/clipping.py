@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from dptext.privacy.capture import Use
 from dptext.privacy.norms import inner_product
 from dptext.privacy.norms.linear import shared_input_grams
+from dptext.privacy.units import UnitIndex, coefficients_per_row, unit_norm_sq_per_parameter
 
 STABILITY = 1e-6  # the 1e-6 of SPEC §1: ḡ = g · min(1, C / (‖g‖ + 1e-6))
 
@@ -69,8 +70,11 @@ def _sum_per_parameter(uses: list[Use], per_use, release: bool = False) -> dict[
     return totals
 
 
-def norm_sq_per_parameter(uses: list[Use]) -> dict[nn.Parameter, Tensor]:
-    """(B,) fp32 squared per-example gradient norm of each parameter, cross terms of shared ones included."""
+def norm_sq_per_parameter(uses: list[Use], units: UnitIndex | None = None) -> dict[nn.Parameter, Tensor]:
+    """(B,) fp32 squared per-example gradient norm of each parameter, cross terms of shared ones included; with
+    ``units``, (count,) per-unit norms of the units' summed gradients (``privacy/units.py``)."""
+    if units is not None:
+        return unit_norm_sq_per_parameter(uses_by_parameter(uses), units.count)
     with shared_input_grams():
         norms = _sum_per_parameter(uses, lambda u: u.rule.norm_sq(u.module, u.names, u.activation, u.grad_output))
     for param, param_uses in uses_by_parameter(uses).items():
@@ -96,13 +100,16 @@ def clip_coefficients(norms_sq: dict[nn.Parameter, Tensor], max_grad_norm: float
             for param, norm_sq in norms_sq.items()}, total
 
 
-def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
-    """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping).
+def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor], per_unit: bool = False) -> dict[nn.Parameter, Tensor]:
+    """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping); with
+    ``per_unit`` the factors are per unit and each row takes its unit's (``use.units``).
 
     The last thing a use's tensors are needed for (the norms and cross terms are known), so each use is released
     as soon as its sum is formed."""
     def clipped_sum_of(use: Use) -> dict[str, Tensor]:
         use_coef = {name: coef[use.module.get_parameter(name)] for name in use.names}
+        if per_unit:
+            use_coef = coefficients_per_row(use_coef, use.units)
         return use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output, use_coef)
 
     return _sum_per_parameter(uses, clipped_sum_of, release=True)

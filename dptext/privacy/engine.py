@@ -46,6 +46,8 @@ from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names,
 from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
 from dptext.privacy.step_checks import check_trainable_set, parameter_names
+from dptext.privacy.units import LogicalBatchUnits, unit_index
+from dptext.privacy.user_sampler import UserPoissonSampler, make_user_sampler
 from dptext.privacy.verify import probe as verify_probe
 
 CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
@@ -99,6 +101,7 @@ class PrivacyEngine:
         self.rank = distributed.rank if distributed is not None and distributed.active else 0
         self._record_step = getattr(ledger, "record_step", ledger)
         self.steps = 0
+        self.batch_units = LogicalBatchUnits()
         self.distributed = distributed if distributed is not None and distributed.active else None
 
         self.optimizer = optimizer
@@ -171,13 +174,21 @@ class PrivacyEngine:
     def _exact_arithmetic(self):
         return exact_arithmetic(self)
 
-    def accumulate(self, per_example_loss: Tensor) -> Tensor:
+    def accumulate(self, per_example_loss: Tensor, units: Tensor | None = None) -> Tensor:
         """Backward pass for one (micro-)batch: adds its clipped per-example gradients to the logical batch.
 
-        Returns the (B,) whole-model per-example gradient norms before clipping (for logging)."""
+        ``units`` (user-level DP): the privacy unit of each example; each unit's summed gradient is clipped to C as
+        one vector (``privacy/units.py``), and all of a unit's examples must come in one call. None: one unit per
+        example. Returns the whole-model gradient norms before clipping (for logging): one per unit in sorted id
+        order, or per example in batch order where every unit is one example."""
         if per_example_loss.ndim != 1:
             raise UserError("Pass one loss per example (a 1-D tensor, e.g. from dptext.privacy.per_example_loss), "
                             "not a batch-averaged scalar.")
+        if units is not None and self.distributed is not None:
+            raise UserError("Per-unit clipping is not supported across processes yet (a unit split over ranks "
+                            "would be clipped once per rank); train user-level DP in one process.")
+        unit_ids = unit_index(units, per_example_loss.numel(), per_example_loss.device)  # checked before recorded
+        self.batch_units.add(units, per_example_loss.numel())
         if per_example_loss.numel() == 0:
             self.recorder.take_uses()
             return per_example_loss.detach().float()
@@ -185,9 +196,9 @@ class PrivacyEngine:
             raise UserError("The loss does not depend on any trainable layer; check that the model forward "
                             "ran with gradients enabled after the engine was created.")
         if self.clipping_mode == "ghost":
-            return ghost_backward(self, per_example_loss)
+            return ghost_backward(self, per_example_loss, unit_ids)
         per_example_loss.sum().backward()
-        return clip_recorded(self, per_example_loss)
+        return clip_recorded(self, per_example_loss, unit_ids)
 
     def step(self, per_example_loss: Tensor | None = None) -> None:
         """One logical DP step: optionally ``accumulate(per_example_loss)``, then noise once and update.
@@ -196,6 +207,7 @@ class PrivacyEngine:
         if per_example_loss is not None:
             self.accumulate(per_example_loss)
         check_trainable_set(self)
+        self.batch_units.reset()
         self.dp_optimizer.step()
         self.steps += 1
         if self._record_step is not None:
@@ -204,6 +216,7 @@ class PrivacyEngine:
     def zero_grad(self) -> None:
         """Drop what was accumulated for the current logical batch."""
         self.dp_optimizer.zero_grad()
+        self.batch_units.reset()
         self.recorder.take_uses()
         self.outside_reads.clear()
 
@@ -219,6 +232,14 @@ class PrivacyEngine:
         if self.dataset_size is None:
             raise UserError("The engine needs dataset_size to sample batches.")
         return make_sampler(self.dataset_size, self.sample_rate, steps, self.root, self.sampling, self.distributed)
+
+    def user_sampler(self, users: list[list[int]], max_examples_per_user: int, steps: int) -> UserPoissonSampler:
+        """User-level Poisson batches (``privacy/user_sampler.py``) at this engine's rate, from its sampler stream:
+        the engine's dataset_size must count users (q is over users); pass each batch's ``users`` as ``units``."""
+        if self.dataset_size != len(users):
+            raise UserError(f"The engine is accounted for {self.dataset_size} units but {len(users)} users were "
+                            "given; build it with dataset_size = the number of users (q is over users).")
+        return make_user_sampler(users, self.sample_rate, steps, max_examples_per_user, self.root)
 
     @classmethod
     def from_target_epsilon(cls, model: nn.Module, optimizer: torch.optim.Optimizer, *, target_epsilon: float,
