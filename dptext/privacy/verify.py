@@ -173,27 +173,26 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
                 batch, redraw = synthetic_batches(make_batch, examples, positions, number, device)
                 probe_one(engine, report, batch, loss_fn, device, redraw if examples > 1 else None)
 
-    try:
+    def run_or_refuse(precision) -> None:
         try:
-            if dtype is None or device.type == "mps":
-                try:
-                    run_probes(None)
-                except ReferenceFailed as error:
-                    raise UserError(REFERENCE_FAILED.format(error)) from error
-            else:
-                run_probes(dtype)
-        except (RuntimeError, TypeError) as error:  # code that hard-wires a dtype: probe in the model's own
-            if dtype is None:
-                raise
-            engine.zero_grad()
-            for row in report.rows.values():
-                row.status, row.why = "not reached", ""
-            report.loss_problem = report.state_problem = None
-            report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
+            run_probes(precision)
+        except ReferenceFailed as error:  # the brute-force reference itself fails: nothing proves the engine
+            raise UserError(REFERENCE_FAILED.format(error)) from error
+
+    precision = None if device.type == "mps" else dtype
+    try:
+        if precision is None:
+            run_or_refuse(None)
+        else:
             try:
-                run_probes(None)
-            except ReferenceFailed as again:  # the brute-force reference itself fails: nothing proves the engine
-                raise UserError(REFERENCE_FAILED.format(again)) from again
+                run_probes(precision)
+            except (RuntimeError, TypeError) as error:  # code that hard-wires a dtype: probe in the model's own
+                engine.zero_grad()
+                for row in report.rows.values():
+                    row.status, row.why = "not reached", ""
+                report.loss_problem = report.state_problem = None
+                report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
+                run_or_refuse(None)
     except (ValueError, KeyError) as error:  # the synthetic batch lacks an input the model needs (T5's decoder ids)
         raise UserError(f"The start-up probe could not run this model on its synthetic batch ({type(error).__name__} "
                         "in the forward); pass make_batch and loss_fn that fit the model to engine.verify(), or use "
