@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from dptext.privacy import parallel_noise
 from dptext.privacy.norms import linear
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.optimizer import DPOptimizer, NoiseSource
@@ -62,3 +64,20 @@ def test_a_step_keeps_no_layer_output_alive(mode):
         engine.step(model(torch.randn(4, 4, dtype=torch.float64)).pow(2).sum(dim=1))
     gc.collect()
     assert len(outputs) == 3 and all(ref() is None for ref in outputs)
+
+
+def test_parallel_noise_is_one_fresh_draw_per_coordinate_whatever_the_thread_count(monkeypatch):
+    """Chunks of the model's noise are drawn on a thread pool, each from its own seed: the result depends only
+    on the device generator, not on the threads; chunks are independent and the std is σ·C."""
+    likes = [torch.zeros(3 * parallel_noise.CHUNK + 5), torch.zeros(7, 11)]
+    draws = []
+    for threads in (1, 2):
+        monkeypatch.setattr(parallel_noise, "_pool", ThreadPoolExecutor(max_workers=threads))
+        draws.append(parallel_noise.normals(2.0, likes, torch.Generator().manual_seed(3)))
+    assert all(torch.equal(a, b) for a, b in zip(*draws))
+    big = draws[0][0]
+    chunks = big[: 3 * parallel_noise.CHUNK].view(3, -1)
+    assert abs(big.std().item() - 2.0) < 0.01 and abs(big.mean().item()) < 0.01
+    assert torch.corrcoef(chunks).sub(torch.eye(3)).abs().max() < 0.01  # no chunk repeats another's stream
+    again = parallel_noise.normals(2.0, likes, torch.Generator().manual_seed(4))
+    assert not torch.equal(again[0], big)

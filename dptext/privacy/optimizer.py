@@ -12,7 +12,8 @@ every generator from ``os.urandom`` before every step (64 fresh bits per step an
 generator state predicts at most one step — at the price of a resume that is no longer bit-exact. The limit:
 torch's generators (Mersenne Twister on CPU, Philox on CUDA) are fast but not cryptographic, so neither option is
 a CSPRNG stream; a stronger source would need a cryptographic generator producing Gaussian samples on the
-device, which torch does not ship.
+device, which torch does not ship. On CPU the step's noise is drawn on all cores in fixed chunks, each seeded from
+the device generator (``parallel_noise``): the same noise whatever the number of threads.
 """
 
 from __future__ import annotations
@@ -23,8 +24,25 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from dptext.privacy.parallel_noise import normals
 from dptext.privacy.randomness import RandomRoot
 from dptext.errors import UserError
+
+
+NOISE_GROUP = 1 << 25  # coordinates whose noise is drawn together (128 MB of fp32)
+
+
+def _groups(params: list[nn.Parameter], budget: int) -> list[list[nn.Parameter]]:
+    """Consecutive parameters in groups of at most ``budget`` coordinates (a larger parameter alone)."""
+    groups: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for param in params:
+        if groups[-1] and size + param.numel() > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(param)
+        size += param.numel()
+    return [group for group in groups if group]
 
 
 def random_seed() -> int:
@@ -62,8 +80,16 @@ class NoiseSource:
             self.generator(torch.device(device)).set_state(generator_state)
 
     def normal(self, std: float, like: Tensor) -> Tensor:
-        noise = torch.empty(like.shape, device=like.device, dtype=torch.float32)
-        return noise.normal_(0.0, std, generator=self.generator(like.device))
+        return self.normals(std, [like])[0]
+
+    def normals(self, std: float, likes: list[Tensor]) -> list[Tensor]:
+        """N(0, std²) shaped like each of ``likes`` (fp32), drawn on all cores on CPU (``parallel_noise``)."""
+        out: list[Tensor | None] = [None] * len(likes)
+        for device in dict.fromkeys(like.device for like in likes):  # devices in first-seen order: deterministic
+            indices = [i for i, like in enumerate(likes) if like.device == device]
+            for i, noise in zip(indices, normals(std, [likes[i] for i in indices], self.generator(device))):
+                out[i] = noise
+        return out
 
 
 class DPOptimizer:
@@ -108,11 +134,15 @@ class DPOptimizer:
         noisy_sums = {}
         # In place, and each clipped sum dropped once its noise is added: a model-sized copy at a time, not three
         # (the sums, the noisy sums and the grads all alive at once made this the peak of a book-keeping step).
-        for param in self.params:
-            total = self.summed.pop(param, None)
-            noisy = self.noise.normal(std, param) if std > 0 else torch.zeros_like(param, dtype=torch.float32)
-            noisy_sums[param] = noisy if total is None else noisy.add_(total)
-            del total
+        # The noise comes a group of parameters at a time (NOISE_GROUP coordinates, or one larger parameter), so
+        # that the cores share the drawing while only one group's noise is alive next to the sums.
+        for group in _groups(self.params, NOISE_GROUP):
+            noises = self.noise.normals(std, group) if std > 0 else \
+                [torch.zeros_like(param, dtype=torch.float32) for param in group]
+            for param, noisy in zip(group, noises):
+                total = self.summed.pop(param, None)
+                noisy_sums[param] = noisy if total is None else noisy.add_(total)
+                del total
         if self.reduce is not None:
             noisy_sums = self.reduce(noisy_sums)
         if self.scale is not None:
