@@ -14,8 +14,8 @@ makes their common unit larger, which protects each of them at least as well), N
 printed, logged, written to an output or put in an error message (``dptext data`` shows counts per user only).
 Without a user column, records have no ``"user"`` key, as before.
 
-The files are pseudo-XML (raw ``&``, some literal ``&amp;``, no single root), so they are parsed with regular expressions, not an XML parser; ``&amp;``,
-``&quot;``, ``&lt;``, ``&gt;`` and numeric entities are unescaped. There is no
+The files are pseudo-XML (raw ``&``, some literal ``&amp;``, no single root), so they are parsed with regular
+expressions, not an XML parser; ``&amp;``, ``&quot;``, ``&lt;``, ``&gt;`` and numeric entities are unescaped. There is no
 official split: a seeded one is made (``validation_fraction`` each for validation and test).
 
 IMDB (Maas et al. 2011, 50,000 reviews): records ``{"text", "label", "id"}`` (1 = positive), read
