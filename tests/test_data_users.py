@@ -94,6 +94,7 @@ def test_amazon_reviewers_counted_exactly(shared_data):
     assert len(records) == 8_000 and stats["missing_user"] == 167
     assert (stats["users"], stats["per_user"]["max"]) == (7_170, 11)
     assert stats["bounds"][0] == {"k": 1, "users_over_k": 450, "examples_kept": 7_170}
+    assert stats["examples"] - (stats["users"] - 450) == 1_113  # the reviews of reviewers with more than one
     with pytest.raises(UserError, match="139 of 6,400 training records of amazon have no user"):
         load_split("amazon", "train", path, user_column="reviewer")
     plain = load_split("amazon", "train", path)
