@@ -49,6 +49,10 @@ def mia(
         if compare_units is not None:
             return _compare_units(output, compare_units, run_dirs[1:], out, candidates, batch_size)
         return _canary(output, _canary_reports(output, run_dirs[1:], candidates, batch_size))
+    if compare_units is not None:
+        from dptext.errors import UserError
+
+        raise UserError("--compare-units measures canaries; run it as `dptext mia canary --compare-units RECIPE`.")
     from dptext.attacks.audit import ATTACKS, run_mia
     from dptext.attacks.audit_records import mia_folder
     from dptext.attacks.plot import plot_roc, run_label
