@@ -70,6 +70,8 @@ def test_a_comparison_that_cannot_show_the_difference_is_refused_before_training
         check_comparable({"example": _recipe(**changes), "user": _recipe(**changes)})
     check_comparable({"example": _recipe(), "user": _recipe()})
     assert unit_overrides("user") == ["privacy.unit=user", "audit.canary_unit=user"]
+    assert unit_overrides("example") == ["privacy.unit=example", "privacy.max_examples_per_user=",
+                                         "audit.canary_unit=user"]
 
 
 def test_finished_runs_are_reused_and_new_ones_trained(tmp_path):
@@ -87,10 +89,10 @@ def test_finished_runs_are_reused_and_new_ones_trained(tmp_path):
 
 
 def _user_data(root: Path) -> Path:
-    """Language-model lines by 6 authors (4 lines each); validation and test the same way."""
+    """Language-model lines by 12 authors (2 training lines each: more users than a batch); the other splits alike."""
     root.mkdir()
     for split, size in (("train", 24), ("validation", 6), ("test", 6)):
-        rows = [{"text": f"the weather today is {'sunny' if i % 2 else 'grey'} number {i}", "author": f"a{i % 6}"}
+        rows = [{"text": f"the weather today is {'sunny' if i % 2 else 'grey'} number {i}", "author": f"a{i % 12}"}
                 for i in range(size)]
         (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
@@ -111,6 +113,7 @@ def test_example_level_run_reports_its_unit_and_user_canaries(tmp_path, capsys):
     assert report["by_repetitions"][0]["repetitions"] == 4 and report["candidates"] == 20
 
 
+@pytest.mark.slow  # two tiny trainings and their scoring: about a minute on this project's loaded 2-core machine
 @pytest.mark.skipif("unit" not in {f.name for f in dataclasses.fields(PrivacyConfig)},
                     reason="privacy.unit arrives with the user-level training loop (issue 24, branch user)")
 def test_compare_units_trains_both_units_and_reports_them(tmp_path, capsys):

@@ -24,8 +24,10 @@ UNITS = ("example", "user")
 
 
 def unit_overrides(unit: str) -> list[str]:
-    """What the run of ``unit`` sets on top of the recipe: the privacy unit, and canaries as one user each."""
-    return [f"privacy.unit={unit}", "audit.canary_unit=user"]
+    """What the run of ``unit`` sets on top of the recipe: the privacy unit, and canaries as one user each (the
+    example-level run drops k, which only means something per user)."""
+    bound = [] if unit == "user" else ["privacy.max_examples_per_user="]
+    return [f"privacy.unit={unit}", *bound, "audit.canary_unit=user"]
 
 
 def check_comparable(recipes: dict[str, Any]) -> None:
