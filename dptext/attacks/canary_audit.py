@@ -4,8 +4,9 @@ Every canary and ``candidates`` secrets drawn uniformly from R (all of R when it
 their log-perplexity under the trained model: the summed loss of the secret's tokens after the prefix (for
 ``language_modeling`` the prefix tokens are in the sum too, but they are the same for every secret, so the
 ranking is that of the secret alone). Exposure per canary as ``dptext.attacks.exposure`` defines it, and its
-mean, min and max per repetition count. The fitted exposure is capped at log₂|R| (rank 1); the uncapped
-tail estimate is kept as ``fitted_tail_bits``.
+mean, min and max per repetition count. The report names the run's privacy unit and the canaries' unit
+(``audit.canary_unit``: a canary's copies as one synthetic user, or one user each). The fitted exposure is
+capped at log₂|R| (rank 1); the uncapped tail estimate is kept as ``fitted_tail_bits``.
 """
 
 from __future__ import annotations
@@ -78,7 +79,12 @@ def canary_exposure(run_dir: str | Path, candidates: int = 2000, batch_size: int
             group.update({f"{key}_mean": float(np.mean(values)), f"{key}_min": float(np.min(values)),
                           f"{key}_max": float(np.max(values))})
         groups.append(group)
-    report = {"run_dir": str(target.path), "recipe": target.recipe.name, "privacy": proven_privacy(target),
+    privacy = proven_privacy(target)
+    # privacy.unit / max_examples_per_user come with issue 24's training loop; older recipes are example-level
+    privacy["unit"] = getattr(target.recipe.privacy, "unit", "example")
+    privacy["max_examples_per_user"] = getattr(target.recipe.privacy, "max_examples_per_user", None)
+    report = {"run_dir": str(target.path), "recipe": target.recipe.name, "privacy": privacy,
+              "canary_unit": canaries.get("unit", "example"),
               "space_size": space, "log2_space_size": math.log2(space), "candidates": len(pool),
               "exhaustive": exhaustive, "resolution_bits": math.log2(len(pool)), "prefix": prefix,
               "by_repetitions": groups, "canaries": rows}

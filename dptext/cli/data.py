@@ -31,15 +31,18 @@ def data(
     validation_fraction: Annotated[float, typer.Option("--validation-fraction", help="Held-out fraction for "
                                                        "validation, and again for test, where the source has no "
                                                        "split (data.validation_fraction).")] = 0.1,
+    user_column: Annotated[Optional[str], typer.Option("--user-column", help="Column naming each record's user "
+                                                       "(data.user_column; `reviewer` for amazon): adds examples "
+                                                       "per user, as counts only.")] = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Show how many records each split of a dataset has and print the first ones (private data, printed as is:
     no DP guarantee covers this output)."""
-    from dptext.data.summary import example_table, statistics_rows, summarize
+    from dptext.data.summary import example_table, statistics_rows, summarize, user_rows
 
     out = make_output(json_mode)
     summary = summarize(dataset, path, split, show, text_column=text_column, label_column=label_column,
-                        split_seed=seed, validation_fraction=validation_fraction)
+                        split_seed=seed, validation_fraction=validation_fraction, user_column=user_column)
     # the one command that prints records on purpose (the owner inspecting their data): say what the output is
     out.warn(PRIVATE_NOTE)
     out.info(f"{summary['dataset']} from {summary['source']}")
@@ -48,6 +51,13 @@ def data(
     if summary["statistics"]:
         out.table("Texts and labels", ["split", "text", "empty", "words min / median / max", "labels (count)"],
                   statistics_rows(summary["statistics"]))
+    if summary["users"]:
+        spread, bounds = user_rows(summary["users"])
+        out.table("Examples per user (counts only)", ["split", "users", "examples with a user", "no user",
+                                                      "per user min / median / mean / max"], spread)
+        out.table("Contribution bound k (privacy.max_examples_per_user)",
+                  ["split", "k", "users with more than k", "Σ min(examples, k): used by a step sampling every user"],
+                  bounds)
     for name, message in summary["errors"].items():
         out.warn(f"{name}: {message}")
     if summary["examples"]:

@@ -15,6 +15,8 @@ Examples:
   dptext mia runs/audit-nonprivate runs/audit-eps8                 (loss attack, side by side)
   dptext mia runs/audit-eps8 --attack all --references 4           (trains 4 reference models once)
   dptext mia canary runs/audit-eps8                                 (canary exposure)
+  dptext mia canary --compare-units recipe.yaml data.user_column=author --out runs/units
+      (trains the recipe at privacy.unit=example and =user, each canary one user, and compares exposure)
 """
 
 
@@ -33,12 +35,24 @@ def mia(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Scoring batch size.")] = 32,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="PNG of the ROC curves (default: FIRST_RUN/mia_not_private/roc.png).")] = None,
+    compare_units: Annotated[Optional[Path], typer.Option(
+        "--compare-units", help="canary: train this recipe (KEY=VALUE overrides follow `canary`) twice, at "
+        "privacy.unit=example and privacy.unit=user, with each canary's copies one synthetic user "
+        "(audit.canary_unit=user), into --out/example and --out/user, and compare exposure.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="canary --compare-units: folder of the two runs (default: runs/<recipe>-units).")] = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Audit what an attacker learns: membership-inference AUC and TPR at low FPR, or canary exposure."""
-    out = make_output(json_mode)
+    output = make_output(json_mode)
     if run_dirs and run_dirs[0] == "canary" and not Path("canary").is_dir():
-        return _canary(out, run_dirs[1:], candidates, batch_size)
+        if compare_units is not None:
+            return _compare_units(output, compare_units, run_dirs[1:], out, candidates, batch_size)
+        return _canary(output, _canary_reports(output, run_dirs[1:], candidates, batch_size))
+    if compare_units is not None:
+        from dptext.errors import UserError
+
+        raise UserError("--compare-units measures canaries; run it as `dptext mia canary --compare-units RECIPE`.")
     from dptext.attacks.audit import ATTACKS, run_mia
     from dptext.attacks.audit_records import mia_folder
     from dptext.attacks.plot import plot_roc, run_label
@@ -47,7 +61,7 @@ def mia(
     chosen = ATTACKS if "all" in attack else tuple(dict.fromkeys(attack))
     # reference models are trained by the training entry point, handed down: attacks never import finetune
     reports = run_mia(run_dirs, chosen, references=references, max_examples=max_examples, batch_size=batch_size,
-                      output=out, train=run_finetune)
+                      output=output, train=run_finetune)
     target = plot or mia_folder(reports[0]["run_dir"]) / "roc.png"
     plot_roc(reports, target)
     rows = []
@@ -57,33 +71,55 @@ def mia(
             rows.append([run_label(report), name, summary["auc"], summary["tpr_at_fpr_0.01"],
                          summary["tpr_at_fpr_0.001"], bound.get("epsilon"), report["privacy"]["epsilon"],
                          f"{report['members']}/{report['nonmembers']}"])
-    out.table("Membership inference (members vs held-out non-members)",
+    output.table("Membership inference (members vs held-out non-members)",
               ["run", "attack", "AUC", "TPR@1%FPR", "TPR@0.1%FPR", "ε lower bound (95%)", "ε proven",
                "members/non-members"], rows)
-    out.info(f"ROC curves: {target}")
+    output.info(f"ROC curves: {target}")
     if any(not r["privacy"]["private"] for r in reports):
-        out.info("Non-private runs have no proven ε; their lower bound uses δ = 1/(2n).")
-    out.result({"runs": reports, "plot": str(target)})
+        output.info("Non-private runs have no proven ε; their lower bound uses δ = 1/(2n).")
+    output.result({"runs": reports, "plot": str(target)})
 
 
-def _canary(out, run_dirs: list[str], candidates: int, batch_size: int) -> None:
+def _canary_reports(output, run_dirs: list[str], candidates: int, batch_size: int) -> list[dict]:
     from dptext.attacks.canary_audit import canary_exposure
-    from dptext.attacks.plot import run_label
     from dptext.errors import UserError
 
     if not run_dirs:
         raise UserError("Give the run directory: dptext mia canary RUN_DIR.")
-    reports = [canary_exposure(d, candidates=candidates, batch_size=batch_size, output=out) for d in run_dirs]
-    rows = [[run_label(r), g["repetitions"], g["canaries"], g["exposure_sampled_mean"], g["exposure_fitted_mean"],
-             g["exposure_fitted_max"], r["log2_space_size"]] for r in reports for g in r["by_repetitions"]]
-    out.table("Canary exposure (log2|R| - log2 rank; higher = more memorised)",
-              ["run", "repetitions", "canaries", "exposure (sampled rank)", "exposure (fit)", "max (fit)",
-               "log2|R|"], rows)
+    return [canary_exposure(d, candidates=candidates, batch_size=batch_size, output=output) for d in run_dirs]
+
+
+def _compare_units(output, recipe: Path, overrides: list[str], out: Optional[Path], candidates: int,
+                   batch_size: int) -> None:
+    from dptext.attacks.canary_units import UNITS, compare_canary_units, unit_overrides
+    from dptext.config import load_recipe
+    from dptext.errors import UserError
+    from dptext.finetune import run_finetune
+
+    stray = [value for value in overrides if "=" not in value]
+    if stray:
+        raise UserError(f"--compare-units takes KEY=VALUE overrides after `canary`, not {stray[0]!r}.")
+    recipes = {unit: load_recipe(recipe, [*overrides, *unit_overrides(unit)]) for unit in UNITS}
+    folder = out or Path("runs") / f"{recipes['user'].name}-units"
+    # the training entry point is handed down: attacks sit below the training runs and never import them
+    _canary(output, compare_canary_units(recipes, folder, run_finetune, output, candidates, batch_size))
+
+
+def _canary(output, reports: list[dict]) -> None:
+    from dptext.attacks.plot import run_label
+
+    rows = [[run_label(r), r["privacy"]["unit"], "one user" if r["canary_unit"] == "user" else "a user each",
+             g["repetitions"], g["canaries"],
+             g["exposure_sampled_mean"], g["exposure_fitted_mean"], g["exposure_fitted_max"], r["log2_space_size"]]
+            for r in reports for g in r["by_repetitions"]]
+    output.table("Canary exposure (log2|R| - log2 rank; higher = more memorised)",
+                 ["run", "privacy unit", "canary copies of", "repetitions", "canaries", "exposure (sampled rank)",
+                  "exposure (fit)", "max (fit)", "log2|R|"], rows)
     first = reports[0]
-    out.info(f"{first['candidates']} candidates per run ({'all of R' if first['exhaustive'] else 'sampled'}); "
+    output.info(f"{first['candidates']} candidates per run ({'all of R' if first['exhaustive'] else 'sampled'}); "
              f"sampled ranks resolve exposure up to about {first['resolution_bits']:.1f} bits, the skew-normal "
              "fit extrapolates beyond.")
-    out.result({"runs": reports})
+    output.result({"runs": reports})
 
 
 def register(app: typer.Typer) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from dptext.config.fields import doc
 
@@ -30,3 +30,7 @@ class AuditConfig:
     canary_prefix: str = doc("the secret code is", "Fixed prefix of every canary; the secret follows it.")
     canary_words: int = doc(4, "Random words in each canary's secret.", ge=1)
     canary_vocabulary: int = doc(100, "Size of the word list secrets are drawn from: |R| = vocabulary ** words.", ge=2)
+    canary_unit: Literal["example", "user"] = doc(
+        "example", "Whose are a canary's copies: example = each copy is its own (synthetic) user; user = all copies "
+        "of one canary belong to one synthetic user, a person repeating a secret, which privacy.unit=user protects "
+        "as one unit and example-level DP only through group privacy (`dptext mia canary --compare-units`).")

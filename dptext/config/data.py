@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from dptext.config.fields import doc
 
@@ -26,3 +26,9 @@ class DataConfig:
     max_length: int = doc(128, "Maximum tokens per example; longer examples are truncated.", ge=1)
     validation_fraction: float = doc(0.1, "Held-out fraction when the source has no validation split.", ge=0, lt=1)
     split_seed: int = doc(0, "Seed of the deterministic split for sources without official splits.", ge=0)
+    user_column: Optional[str] = doc(None, "The column naming each example's user (author, speaker, customer) "
+                                     "for user-level DP (privacy.unit=user): a jsonl/csv/tsv column, or `reviewer` "
+                                     "for amazon. Empty: no users (example-level DP).")
+    missing_user: Literal["refuse", "drop"] = doc(
+        "refuse", "Training records with no user (missing or blank user column): refuse to train, or drop them "
+        "(a rule on each record alone).")

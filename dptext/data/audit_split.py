@@ -11,10 +11,11 @@ The run directory then holds, written atomically::
     audit_not_private/members.jsonl    {"index": i, "record": {...}} for every training record of the data split
     audit_not_private/nonmembers.jsonl the held-out records, same format
     audit_not_private/public.jsonl     the public pool, same format
-    audit_not_private/canaries.json    prefix, vocabulary, secrets and repetition counts
+    audit_not_private/canaries.json    prefix, vocabulary, secrets, repetition counts and canary unit
     audit_not_private/split.json       sizes, seed and the n trained on
 
-These files contain the training records themselves (every column, also those the task ignores), so the
+These files contain the training records themselves (every column, also those the task ignores, but not the
+``"user"`` a user column adds: a user id is never written to any output), so the
 folder's name, its README and the run's ``release.json`` mark it not covered by ε; ``dptext mia`` writes its
 reports and reference runs to ``mia_not_private/`` for the same reason. Model exports (``model/``) never
 include either. ``dptext.attacks.audit_records`` reads these files back; attacks never write them.
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dptext.data.canaries import canary_record, make_canaries
+from dptext.data.canaries import canary_record, canary_user, make_canaries
+from dptext.data.users import USER
 from dptext.errors import UserError
 from dptext.runs import atomic_directory
 
@@ -58,10 +60,20 @@ class AuditSplit:
     seed: int = 0
 
     def training_records(self, task_type: str, control_codes: list) -> list[dict[str, Any]]:
+        """Members, then every copy of every canary; where the members carry users (data.user_column) each copy
+        gets its synthetic user (``canary_user``), so user-level training can bound the canary like any user."""
         records = [record for _, record in self.members]
-        for canary in (self.canaries or {}).get("canaries", []):
+        real_users = {record[USER] for record in records if USER in record}
+        canaries = (self.canaries or {}).get("canaries", [])
+        for number, canary in enumerate(canaries):
             record = canary_record(task_type, self.canaries["prefix"], canary["secret"], control_codes)
-            records += [dict(record) for _ in range(canary["repetitions"])]
+            copies = [dict(record) for _ in range(canary["repetitions"])]
+            for copy, planted in enumerate(copies if real_users else []):
+                planted[USER] = canary_user(self.seed, number, self.canaries.get("unit", "example"), copy)
+                if planted[USER] in real_users:  # a real user merged with a canary would blur what is measured
+                    raise UserError("A user of the training data has the id of a synthetic canary user; change "
+                                    "audit.seed so the canaries get other ids.")
+            records += copies
         return records
 
 
@@ -110,7 +122,8 @@ def split_for_audit(recipe: Any, train: list[dict[str, Any]]) -> AuditSplit:
 
 
 def _jsonl(rows: list) -> str:
-    return "".join(json.dumps({"index": i, "record": r}, ensure_ascii=False) + "\n" for i, r in rows)
+    return "".join(json.dumps({"index": i, "record": {k: v for k, v in r.items() if k != USER}}, ensure_ascii=False)
+                   + "\n" for i, r in rows)
 
 
 def write_audit(run_path: str | Path, split: AuditSplit, trained_on: int) -> Path:

@@ -1,7 +1,8 @@
 """Canaries for the secret-sharer test: '<prefix> <w1> <w2> ... <wk>' with words from a fixed, seeded list.
 
 ``make_canaries(audit)`` draws the secrets (one group of ``audit.canaries`` canaries per repetition count),
-``canary_record(task_type, ...)`` turns one into a training record of the recipe's task, and
+``canary_record(task_type, ...)`` turns one into a training record of the recipe's task, ``canary_user`` names
+the synthetic user of a canary's copies (``audit.canary_unit``: one user per copy, or one per canary), and
 ``sample_candidates`` draws the comparison secrets from the same space R = vocabulary^words.
 """
 
@@ -63,7 +64,13 @@ def make_canaries(audit: Any) -> dict[str, Any]:
     canaries = [{"secret": secret, "repetitions": repetitions[i // audit.canaries]}
                 for i, secret in enumerate(secrets)]
     return {"prefix": audit.canary_prefix, "vocabulary": words, "words": audit.canary_words,
-            "space_size": space_size(audit), "canaries": canaries}
+            "space_size": space_size(audit), "canaries": canaries, "unit": audit.canary_unit}
+
+
+def canary_user(seed: int, number: int, unit: str, copy: int) -> str:
+    """The synthetic user id of copy ``copy`` of canary ``number``: one user for all copies (unit ``user``), or one
+    per copy (``example``), so a canary is one person repeating a secret or that many people sharing it."""
+    return f"canary-{seed}-{number}" if unit == "user" else f"canary-{seed}-{number}-copy-{copy}"
 
 
 def canary_record(task_type: str, prefix: str, secret: str, control_codes: list | None = None) -> dict[str, Any]:

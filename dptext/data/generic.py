@@ -1,7 +1,8 @@
 """Your own data: jsonl, csv or tsv files with named columns.
 
 Records: every column of the file, plus ``"text"`` (from ``text_column``, default ``text``)
-and ``"label"`` (from ``label_column``, if given). Labels written as whole numbers (``3``,
+and ``"label"`` (from ``label_column``, if given) and ``"user"`` (from ``user_column``, if given: the trimmed value as
+text, None where it is missing or blank; see ``dptext.data.users``). Labels written as whole numbers (``3``,
 ``"3"``) become ints; other labels stay strings for the task to map.
 
 ``data.path`` is either one file, split by the seeded partition (``validation_fraction``
@@ -18,6 +19,7 @@ from typing import Any, Optional
 
 from dptext.data.files import existing_path
 from dptext.data.splits import canonical_split, seeded_split
+from dptext.data.users import USER, user_id
 from dptext.errors import UserError
 
 SPLIT_FILE_STEMS = {"train": ("train",), "validation": ("validation", "dev", "valid", "val"), "test": ("test",)}
@@ -61,10 +63,12 @@ def _as_label(value: Any) -> Any:
     return value
 
 
-def _records(rows: list[dict[str, Any]], path: Path, text_column: Optional[str], label_column: Optional[str]):
+def _records(rows: list[dict[str, Any]], path: Path, text_column: Optional[str], label_column: Optional[str],
+             user_column: Optional[str] = None):
     text_column = text_column or "text"
     columns = list(rows[0]) if rows else []
-    for wanted, option in ((text_column, "data.text_column"), (label_column, "data.label_column")):
+    for wanted, option in ((text_column, "data.text_column"), (label_column, "data.label_column"),
+                           (user_column, "data.user_column")):
         if wanted is not None and rows and wanted not in rows[0]:
             raise UserError(f"{path} has no column {wanted!r} (it has {', '.join(map(str, columns))}); "
                             f"set {option} to one of them.")
@@ -73,6 +77,8 @@ def _records(rows: list[dict[str, Any]], path: Path, text_column: Optional[str],
         record = {**row, "text": row.get(text_column)}
         if label_column is not None:
             record["label"] = _as_label(row.get(label_column))
+        if user_column is not None:
+            record[USER] = user_id(row.get(user_column))
         records.append(record)
     return records
 
@@ -88,7 +94,8 @@ def _read_json_array(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def read_table_file(path: Path, text_column: Optional[str] = None, label_column: Optional[str] = None):
+def read_table_file(path: Path, text_column: Optional[str] = None, label_column: Optional[str] = None,
+                    user_column: Optional[str] = None):
     if path.suffix == ".jsonl":
         rows = _read_jsonl(path)
     elif path.suffix == ".json":
@@ -97,7 +104,7 @@ def read_table_file(path: Path, text_column: Optional[str] = None, label_column:
         rows = _read_delimited(path, "\t" if path.suffix == ".tsv" else ",")
     else:
         raise UserError(f"{path} is not a .jsonl, .csv or .tsv file; dptext reads generic data only in those formats.")
-    return _records(rows, path, text_column, label_column)
+    return _records(rows, path, text_column, label_column, user_column)
 
 
 def _split_file(folder: Path, split: str, kind: str) -> Path:
@@ -111,12 +118,12 @@ def _split_file(folder: Path, split: str, kind: str) -> Path:
 
 def read_table(kind: str, split: str, path: Optional[str] = None, text_column: Optional[str] = None,
                label_column: Optional[str] = None, validation_fraction: float = 0.1, split_seed: int = 0,
-               **_options) -> list[dict[str, Any]]:
+               user_column: Optional[str] = None, **_options) -> list[dict[str, Any]]:
     split = canonical_split(split)
     source = existing_path(path, kind)
     if source.is_dir():
-        return read_table_file(_split_file(source, split, kind), text_column, label_column)
-    records = read_table_file(source, text_column, label_column)
+        return read_table_file(_split_file(source, split, kind), text_column, label_column, user_column)
+    records = read_table_file(source, text_column, label_column, user_column)
     # A row's place in the file is its identity for the seeded split.
     row_number = {id(record): str(number) for number, record in enumerate(records)}
     return seeded_split(records, split, lambda r: row_number[id(r)], validation_fraction, split_seed)

@@ -1,5 +1,5 @@
-"""What ``dptext data`` shows: per-split record counts, label histograms, text lengths, empty texts, and the
-first records of a split.
+"""What ``dptext data`` shows: per-split record counts, label histograms, text lengths, empty texts, examples per
+user when a user column is given (counts only), and the first records of a split (without their user id).
 
 A plain function so that tests and other commands can call it; the CLI only renders it.
 """
@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from dptext.data import dataset_info, load_split
 from dptext.data.splits import SPLITS, canonical_split
+from dptext.data.users import USER, user_statistics
 from dptext.errors import UserError
 
 
@@ -27,12 +28,15 @@ def summarize(dataset: str, path: Optional[str] = None, split: Optional[str] = N
     wanted = [canonical_split(split)] if split else list(SPLITS)
     counts: dict[str, Optional[int]] = {}
     stats: dict[str, dict[str, Any]] = {}
+    users: dict[str, dict[str, Any]] = {}
+    with_users = options.get("user_column") not in (None, "")
     errors: dict[str, str] = {}
     examples: list[dict] = []
     shown_split = None
     for name in wanted:
         try:
-            records = load_split(info.name, name, path, **options)
+            # keep: records without a user are counted here, not refused (training refuses or drops them)
+            records = load_split(info.name, name, path, missing_user="keep", **options)
         except UserError as exc:
             if split:
                 raise
@@ -40,12 +44,14 @@ def summarize(dataset: str, path: Optional[str] = None, split: Optional[str] = N
             continue
         counts[name] = len(records)
         stats[name] = split_statistics(records)
-        if shown_split is None and records:
-            shown_split, examples = name, records[: max(show, 0)]
+        if with_users:
+            users[name] = user_statistics(records)
+        if shown_split is None and records:  # the user id is never shown, even here (counts only)
+            shown_split, examples = name, [{k: v for k, v in r.items() if k != USER} for r in records[: max(show, 0)]]
     if not any(count is not None for count in counts.values()):
         raise UserError(next(iter(errors.values())))
     return {"dataset": info.name, "path": path, "source": _source(info, path), "counts": counts, "statistics": stats,
-            "errors": errors,
+            "users": users, "errors": errors,
             "shown_split": shown_split, "examples": examples}
 
 
@@ -85,6 +91,20 @@ def statistics_rows(stats: dict[str, dict[str, Any]], top: int = 8) -> list[list
         rows.append([split, s["text_field"] or "-", s["empty_texts"], lengths,
                      f"{s['label_field']}: {labels}" if s["label_field"] else "-"])
     return rows
+
+
+def user_rows(users: dict[str, dict[str, Any]]) -> tuple[list[list[Any]], list[list[Any]]]:
+    """Two tables' rows: per split, users and examples per user; per split and bound k, users over k and
+    Σ min(n_u, k) (how to choose k: docs/privacy_engine.md, "Privacy units")."""
+    spread, bounds = [], []
+    for split, u in users.items():
+        per = u["per_user"]
+        spread.append([split, f"{u['users']:,}", f"{u['examples']:,}", f"{u['missing_user']:,}",
+                       f"{per['min']} / {per['median']:g} / {per['mean']:.2f} / {per['max']}" if per else "-"])
+        for row in u["bounds"]:
+            kept = row["examples_kept"] / u["examples"]
+            bounds.append([split, row["k"], f"{row['users_over_k']:,}", f"{row['examples_kept']:,} ({kept:.1%})"])
+    return spread, bounds
 
 
 def _source(info, path: Optional[str]) -> str:
