@@ -24,6 +24,8 @@ What it refuses, each in one sentence: ``trainer_checks``.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -40,6 +42,8 @@ from dptext.integrations.trainer_checks import (refuse_gradient_reducing_wrapper
                                                 refuse_unsupported_launch, without_trainer_clipping)
 from dptext.integrations.trainer_losses import BatchMaker, LossFn, loss_and_probe_batch
 from dptext.privacy import PrivacyEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,6 +148,11 @@ class DPTrainer(Trainer):
         if self.process_group.active and privacy.clipping_mode == "ghost":
             raise UserError("Ghost clipping needs autograd's parameter gradients, which accelerate would reduce "
                             "with DDP outside the engine; use clipping_mode='bookkeeping' with several processes.")
+        if self.process_group.active:
+            # The Trainer's flag for "the model owns its gradient reduction": accelerate then prepares the model
+            # without wrapping it in DDP (whose all-reduce of raw gradients would bypass the engine's); the
+            # engine all-reduces the clipped sums and rank 0 adds the noise (dptext.privacy.distributed).
+            self.is_distributed_loading_by_transformers = True
         self.add_callback(EpsilonBudget(self))
 
     # ------------------------------------------------------------------ the run
@@ -189,6 +198,9 @@ class DPTrainer(Trainer):
         if sigma is None:
             sigma = calibrate_noise_multiplier(p.target_epsilon, self.delta, self.sample_rate, self.planned_steps,
                                                method=p.accountant).noise_multiplier
+        if sigma == 0:
+            logger.warning("noise_multiplier=0: the steps are clipped but not noised, so this run has no privacy "
+                           "guarantee (ε = inf); use it only to test the clipping.")
         if p.target_epsilon is not None and self.epsilon_after(1, sigma) > p.target_epsilon:
             raise UserError(f"One step at σ = {sigma:.3g} already spends more than ε = {p.target_epsilon}; raise "
                             "noise_multiplier or target_epsilon.")
@@ -223,12 +235,16 @@ class DPTrainer(Trainer):
 
     def epsilon_after(self, steps: int, sigma: float | None = None) -> float:
         sigma = self.engine.noise_multiplier if sigma is None else sigma
+        if sigma == 0:  # no noise, no guarantee (allowed for tests: the clipped sums alone)
+            return math.inf
         result = compute_epsilon(self.privacy.accountant, [StepRun(self.sample_rate, sigma, steps)], self.delta)
         return result.guaranteed
 
     def epsilon(self) -> float:
         """ε spent so far at δ, by the accountant that calibrated the run."""
-        return self.engine.epsilon(self.delta, self.privacy.accountant) if self.engine is not None else 0.0
+        if self.engine is None or self.engine.steps == 0:
+            return 0.0
+        return self.epsilon_after(self.engine.steps)
 
     def next_step_exceeds_budget(self) -> bool:
         target = self.privacy.target_epsilon

@@ -48,9 +48,9 @@ def refuse_unsupported_arguments(args: Any) -> None:
     if args.torch_compile:
         raise UserError("torch.compile would trace the model past the engine's hooks unchecked; set "
                         "torch_compile=False for DP training.")
-    if args.gradient_checkpointing:
+    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
         raise UserError("Gradient checkpointing re-runs forwards inside the backward pass, which the engine's hooks "
-                        "would record twice; set gradient_checkpointing=False for DP training.")
+                        "would record twice; turn activation (gradient) checkpointing off for DP training.")
     if args.label_smoothing_factor:
         raise UserError("DPTrainer's per-example losses have no label smoothing; set label_smoothing_factor=0 or "
                         "pass per_example_loss with the smoothing you want.")
