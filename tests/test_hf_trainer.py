@@ -286,5 +286,26 @@ def test_two_processes_all_reduce_clipped_sums_and_sample_their_shards(two_ranks
         assert [row["step"] for row in rank["logs"] if "loss" in row] == [1]
 
 
+# --------------------------------------------------------------------------- the example script
+
+
+@pytest.mark.slow
+def test_the_example_script_trains_privately_on_e2e(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    data = Path(os.environ.get("DPTEXT_SHARED_DATA", root.parent / "shared" / "data")) / "e2e_nlg"
+    if not (data / "trainset.csv").is_file():
+        pytest.skip(f"E2E not found at {data} (set DPTEXT_SHARED_DATA)")
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(root / "examples" / "hf_trainer_dp.py"), "--model", "tiny-llama",
+                           "--data", str(data), "--max-steps", "2", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "privacy.json").read_text())
+    assert report["steps"] == 2 and 0 < report["epsilon"] <= 8.0
+    assert report["epsilon"] == pytest.approx(compute_epsilon(
+        "rdp", [StepRun(report["sample_rate"], report["noise_multiplier"], 2)], report["delta"]).guaranteed)
+    assert (tmp_path / "model.safetensors").is_file()
+
+
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
