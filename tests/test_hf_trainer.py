@@ -184,6 +184,19 @@ def test_training_stops_before_the_step_that_would_exceed_the_budget(tmp_path):
     assert max(row["epsilon"] for row in trainer.state.log_history) <= budget
 
 
+def test_empty_poisson_batches_are_noise_only_steps_and_accounted(tmp_path):
+    sizes = [len(batch) for batch in make_sampler(N, 1 / N, 4, 1)]
+    assert sizes[0] == 0 and sizes[-1] == 0  # seed 1 draws empty first and last batches
+    privacy = PrivacyArguments(max_grad_norm=C, expected_batch_size=1, noise_multiplier=1.0, seed=1)
+    model = causal_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = dp_trainer(tmp_path, model=model, privacy=privacy, max_steps=4)
+    trainer.train()
+    assert trainer.engine.steps == trainer.state.global_step == 4
+    assert trainer.epsilon() == pytest.approx(compute_epsilon("rdp", [StepRun(1 / N, 1.0, 4)], 1 / (2 * N)).guaranteed)
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # noise moved the weights
+
+
 # --------------------------------------------------------------------------- refusals
 
 
