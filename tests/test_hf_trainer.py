@@ -152,7 +152,7 @@ def test_the_probe_runs_before_the_first_private_batch(tmp_path, monkeypatch):
 
 def test_logged_epsilon_is_the_accountants_for_q_sigma_and_steps(tmp_path):
     privacy = PrivacyArguments(max_grad_norm=C, expected_batch_size=6, noise_multiplier=1.1)
-    trainer = dp_trainer(tmp_path, privacy=privacy, max_steps=4)
+    trainer = dp_trainer(tmp_path, privacy=privacy, max_steps=4, save_strategy="steps", save_steps=2)
     trainer.train()
     logged = [(row["step"], row["epsilon"]) for row in trainer.state.log_history if "loss" in row]
     assert [step for step, _ in logged] == [1, 2, 3, 4]
@@ -161,6 +161,8 @@ def test_logged_epsilon_is_the_accountants_for_q_sigma_and_steps(tmp_path):
         assert epsilon == pytest.approx(want, rel=1e-12)
     report = json.loads((tmp_path / "privacy.json").read_text())
     assert report["steps"] == 4 and report["epsilon"] == pytest.approx(logged[-1][1])
+    checkpoint = json.loads((tmp_path / "checkpoint-2" / "privacy.json").read_text())  # what was spent by then
+    assert checkpoint["steps"] == 2 and checkpoint["epsilon"] == pytest.approx(logged[1][1])
     assert "grad_norm" not in trainer.state.log_history[0]  # the Trainer's norm of .grad is meaningless here
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from dptext.accounting import calibrate_noise_multiplier, compute_epsilon, StepRun
 from dptext.accounting.calibrate import check_training_accountant
@@ -99,8 +100,9 @@ class EngineStep(torch.optim.Optimizer):
         self.engine.step()
 
 
-class EpsilonBudget(TrainerCallback):
-    """Stops training before the step that would take ε over the budget."""
+class PrivacyCallback(TrainerCallback):
+    """Stops training before the step that would take ε over the budget; puts the privacy report (what was spent
+    up to that step) into every checkpoint folder the Trainer writes."""
 
     def __init__(self, trainer: "DPTrainer"):
         self.trainer = trainer
@@ -108,6 +110,12 @@ class EpsilonBudget(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.trainer.engine is not None and self.trainer.next_step_exceeds_budget():
             control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if args.should_save and self.trainer.engine is not None:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            self.trainer.save_privacy_report(folder)
         return control
 
 
@@ -153,7 +161,7 @@ class DPTrainer(Trainer):
             # without wrapping it in DDP (whose all-reduce of raw gradients would bypass the engine's); the
             # engine all-reduces the clipped sums and rank 0 adds the noise (dptext.privacy.distributed).
             self.is_distributed_loading_by_transformers = True
-        self.add_callback(EpsilonBudget(self))
+        self.add_callback(PrivacyCallback(self))
 
     # ------------------------------------------------------------------ the run
 
