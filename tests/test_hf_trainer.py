@@ -133,6 +133,22 @@ def test_one_step_equals_brute_force_clipped_sum(tmp_path, head, mode):
     assert_weights(model, expected)
 
 
+def test_a_peft_lora_model_trains_its_adapters_by_the_brute_force_clipped_sum(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(causal_model(), lora)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    reference = copy.deepcopy(model)
+    trainer = dp_trainer(tmp_path, model=model)  # the collator's columns come from the base model's forward
+    trainer.train()
+    indices = next(iter(make_sampler(N, 8 / N, 1, 3)))
+    expected = brute_force_update(reference, dataset(), indices, trainer.loss_fn, 8)
+    named = dict(model.named_parameters())
+    assert len(expected) == len(trainable) == 8
+    for name, want in zip(trainable, expected):
+        assert torch.allclose(named[name].detach(), want, rtol=1e-6, atol=1e-9), name
+
+
 def test_the_probe_runs_before_the_first_private_batch(tmp_path, monkeypatch):
     seen = []
     original = PoissonBatches.logical_batch

@@ -41,7 +41,7 @@ from dptext.finetune.distributed import current as current_process_group
 from dptext.integrations.poisson_batches import LogicalBatch, PoissonBatches, model_input_collator
 from dptext.integrations.trainer_checks import (refuse_gradient_reducing_wrapper, refuse_unsupported_arguments,
                                                 refuse_unsupported_launch, without_trainer_clipping)
-from dptext.integrations.trainer_losses import BatchMaker, LossFn, loss_and_probe_batch
+from dptext.integrations.trainer_losses import BatchMaker, LossFn, base_model, loss_and_probe_batch
 from dptext.privacy import PrivacyEngine
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,8 @@ class DPTrainer(Trainer):
         return values
 
     def get_train_dataloader(self) -> PoissonBatches:
-        collate = model_input_collator(self.data_collator, self.model, self.args.remove_unused_columns)
+        # a PEFT wrapper's forward takes **kwargs: the columns are those its base model accepts, as the Trainer does
+        collate = model_input_collator(self.data_collator, base_model(self.model), self.args.remove_unused_columns)
         steps_per_epoch = max(1, round(1 / self.sample_rate))
         return PoissonBatches(self.train_dataset, collate, self.args.per_device_train_batch_size, steps_per_epoch,
                               lambda: self.engine.sampler(self.planned_steps))
