@@ -17,6 +17,9 @@ class DataConfig:
                               "(or the installed package for imdb/chitchat/news).")
     text_column: Optional[str] = doc(None, "Text column for generic jsonl/csv data.")
     label_column: Optional[str] = doc(None, "Label column for generic jsonl/csv data.")
+    user_column: Optional[str] = doc(
+        None, "The field naming each record's user (author, reviewer, speaker): the privacy unit under "
+        "privacy.unit=user, and the per-user counts `dptext data` shows.")
     max_train_examples: Optional[int] = doc(
         None, "Use only the first N training examples (after the seeded split).", ge=1)
     max_eval_examples: Optional[int] = doc(None, "Evaluate on only the first N validation/test examples.", ge=0)
