@@ -37,8 +37,8 @@ def write_data(folder, users: int = 12):
 
 def overrides(data, *extra: str) -> list[str]:
     return ["model.name=tiny-bert", "task.type=classification", "data.dataset=jsonl", f"data.path={data}",
-            "data.max_length=16", "eval.split=validation", "task.labels=[0, 1]", "train.batch_size=4", "train.max_steps=3",
-            "train.log_every=1", "train.learning_rate=1e-3", "privacy.target_epsilon=8", "privacy.unit=user",
+            "data.max_length=16", "eval.split=validation", "task.labels=[0, 1]", "train.batch_size=4",
+            "train.max_steps=3", "train.log_every=1", "train.learning_rate=1e-3", "privacy.target_epsilon=8", "privacy.unit=user",
             "data.user_column=user", f"privacy.max_examples_per_user={K}", "train.physical_batch_size=4",
             "name=users", *extra]
 
@@ -211,25 +211,50 @@ def test_max_examples_per_user_only_with_user_unit(tmp_path):
         config.load_recipe(None, ["privacy.max_examples_per_user=3"])
 
 
-def test_torchrun_refuses_user_level_before_reading_data(tmp_path):
+def test_torchrun_refuses_user_level_before_reading_data(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from dptext.finetune import run as finetune_run
+    from dptext.finetune import setup
     from dptext.finetune.user_level import check_single_process
 
     data, _ = write_data(tmp_path / "data")
-    with pytest.raises(UserError, match="not supported under torchrun"):
-        check_single_process(recipe(data), distributed=True)
+    monkeypatch.setattr(finetune_run, "current", lambda device: SimpleNamespace(active=True, is_writer=True))
+    monkeypatch.setattr(setup, "load_splits", lambda recipe: pytest.fail("data was read before the refusal"))
+    with pytest.raises(UserError, match="not supported under torchrun") as refused:
+        run_finetune(recipe(data), out=tmp_path / "run")
+    assert not re.search(r"[.;]\s+[A-Z]", str(refused.value)) and not (tmp_path / "run").exists()
     check_single_process(recipe(data), distributed=False)
     check_single_process(recipe(data, "privacy.unit=example", "privacy.max_examples_per_user=null"), True)
 
 
-def test_record_without_user_is_refused_by_position(tmp_path):
+def test_record_without_user_is_refused_by_position(tmp_path, capsys):
     data, rows = write_data(tmp_path / "data")
     rows[4].pop("user")
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(UserError, match="Training record 5 has no user"):
         run_finetune(recipe(data), out=tmp_path / "run")
+    recipe_file = tmp_path / "users.yaml"
+    recipe_file.write_text(config.dump_recipe(recipe(data)))
+    with pytest.raises(SystemExit) as code:  # `dptext check` reads the local training split and says the same
+        main(["check", str(recipe_file)])
+    assert code.value.code == 2 and "Training record 5 has no user" in capsys.readouterr().err
 
 
 def test_non_private_baseline_ignores_the_unit(tmp_path):
     data, rows = write_data(tmp_path / "data")
     result = run_finetune(recipe(data, "privacy.enabled=false", "train.max_steps=1"), out=tmp_path / "run")
     assert not result["privacy"]["private"] and result["privacy"]["dataset_size"] == len(rows)
+
+
+def test_sigma_listing_does_not_count_examples_as_users(tmp_path):
+    from dptext.accounting.plan import recipe_sigmas
+
+    data, _ = write_data(tmp_path / "data")
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "users.yaml").write_text(config.dump_recipe(recipe(data)))
+    (tmp_path / "recipes" / "examples.yaml").write_text(config.dump_recipe(
+        recipe(data, "privacy.unit=example", "privacy.max_examples_per_user=null")))
+    rows = {row["recipe"]: row for row in recipe_sigmas(8.0, tmp_path / "recipes", train_size=lambda data: 100)}
+    assert rows["users"]["noise_multiplier"] is None and "counts users" in rows["users"]["note"]
+    assert rows["examples"]["noise_multiplier"] > 0 and rows["examples"]["dataset_size"] == 100

@@ -216,19 +216,20 @@ def choose_physical_batch_size(training: Training, train_records: list) -> int:
     process instead of raising an error we could recover from. The micro-batch size does not change privacy.
     """
     # user-level: rows per step ≤ k per sampled user (an upper bound of public numbers), and a user's k in one call
-    k = training.recipe.privacy.max_examples_per_user if training.users is not None else 1
-    expected = max(k, int(round(training.plan.sample_rate * training.plan.dataset_size * k)))
+    per_user = training.recipe.privacy.max_examples_per_user if training.users is not None else 1
+    expected = max(per_user, int(round(training.plan.sample_rate * training.plan.dataset_size * per_user)))
     if training.device.type != "cuda":
-        return min(max(CPU_PHYSICAL_BATCH, k), expected)
-    size = min(max(GPU_PROBE_START, k), expected)
+        return min(max(CPU_PHYSICAL_BATCH, per_user), expected)
+    size = min(max(GPU_PROBE_START, per_user), expected)
     longest = training.task.encode(probe_records(train_records[0], size, training.recipe.data.max_length))
     while size > 1:
         try:
             batch = {k: v.to(training.device) for k, v in training.task.collate(longest[:size]).items()}
             with torch.autocast("cuda", dtype=training.autocast_dtype, enabled=training.autocast_dtype is not None):
                 loss = training.task.per_example_loss(training.model, batch)
-            if training.engine is not None:
-                training.engine.accumulate(loss)
+            if training.engine is not None:  # user-level: synthetic users of k rows, grouped as the loop groups
+                units = None if training.users is None else torch.arange(size) // per_user
+                training.engine.accumulate(loss, units=units)
                 training.engine.zero_grad()
             else:
                 loss.sum().backward()

@@ -16,7 +16,7 @@ from typing import Any
 
 from dptext.data import dataset_info, label_names, load_records
 from dptext.errors import UserError
-from dptext.finetune.user_level import check_user_level
+from dptext.finetune.user_level import check_user_level, user_level, users_of
 from dptext.model_check import check_model_name
 from dptext.runs import RunDir
 from dptext.tasks.label_sets import check_records as check_declared
@@ -122,3 +122,5 @@ def validate_local_data(recipe: Any) -> None:
         if not splits["train"]:
             raise UserError("The training split is empty; check data.path and data.max_train_examples.")
         check_records(recipe, splits)
+        if user_level(recipe):  # every training record names its user
+            users_of(splits["train"])
