@@ -51,7 +51,7 @@ def counts(run_dir: Path) -> dict:
     recipe = RunDir.open(run_dir).recipe()
     records = load_records(recipe.data, "train")
     # privacy.unit / max_examples_per_user: issue 24's recipe keys (recipes before it are example-level)
-    unit = getattr(recipe.privacy, "unit", "example") if recipe.privacy.enabled else "none"
+    unit = recipe.privacy.unit if recipe.privacy.enabled else "none"
     row = {"unit": unit, "examples": len(records), "users": None, "k": None, "examples_within_k": None}
     if unit == "user":
         groups, k = user_groups(records), recipe.privacy.max_examples_per_user

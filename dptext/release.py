@@ -166,6 +166,20 @@ def recipe_flags(recipe: Any) -> list[str]:
     return flags
 
 
+def recipe_unit(recipe: Any) -> dict[str, Any] | None:
+    """Whom a run's ε is about (the manifest's ``privacy_unit``): one example, or one user and the bound k; None
+    for a non-private run (no ε)."""
+    privacy = recipe.privacy
+    if not privacy.enabled:
+        return None
+    if privacy.unit == "user":
+        k = privacy.max_examples_per_user
+        return {"unit": "user", "max_examples_per_user": k, "user_column": recipe.data.user_column,
+                "text": f"ε is per user (≤ {k} examples each): one user is every training record with the same "
+                        f"{recipe.data.user_column}"}
+    return {"unit": "example", "text": "ε is per example: one training record"}
+
+
 def inherited_flags(source: str | Path | None) -> list[str]:
     """The guarantee flags of a run or synth folder whose outputs another output learns from (a teacher)."""
     found = read_manifest(source) if source else None
@@ -182,15 +196,21 @@ def _files(root: Path) -> list[str]:
     return found
 
 
-def manifest(root: str | Path, kind: str, flags: Iterable[str] = ()) -> dict[str, Any]:
-    """The manifest of ``root``: every file with its status; raises UnregisteredOutput on an unknown file."""
+def manifest(root: str | Path, kind: str, flags: Iterable[str] = (), unit: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    """The manifest of ``root``: every file with its status; raises UnregisteredOutput on an unknown file.
+    ``unit`` (``recipe_unit``) says whom ε is about; a user-level run's covered files protect one user."""
     root, flags = Path(root), sorted(set(flags))
+    statuses = dict(STATUSES)
+    if (unit or {}).get("unit") == "user":
+        statuses[COVERED] = statuses[COVERED].replace("one training record", "one user (all of their records)")
     files = []
     for relative in sorted(set(_files(root)) | {MANIFEST}):
         entry = entry_for(relative, kind)
         status, why = status_of(entry, flags)
         files.append({"path": relative, "status": status, "what": entry.what, **({"why": why} if why else {})})
-    return {"kind": kind, "flags": {f: FLAG_REASONS[f] for f in flags}, "statuses": STATUSES, "files": files}
+    return {"kind": kind, "flags": {f: FLAG_REASONS[f] for f in flags}, "statuses": statuses,
+            **({"privacy_unit": unit} if unit else {}), "files": files}
 
 
 def read_manifest(root: str | Path) -> dict[str, Any] | None:

@@ -119,12 +119,12 @@ def atomic_write_png(path: str | Path, figure: Any) -> Path:
     return Path(path)
 
 
-def write_manifest(root: str | Path, kind: str | None = None, flags: Any = None) -> dict[str, Any]:
-    """(Re)write ``root/release.json``; kind and flags default to those of the manifest already there."""
+def write_manifest(root: str | Path, kind: str | None = None, flags: Any = None, unit: Any = None) -> dict[str, Any]:
+    """(Re)write ``root/release.json``; kind, flags and privacy unit default to those of the manifest already there."""
     previous = release.read_manifest(root) or {}
     kind = kind or previous.get("kind", "run")
     flags = list(previous.get("flags", {})) if flags is None else list(flags)
-    data = release.manifest(root, kind, flags)
+    data = release.manifest(root, kind, flags, unit or previous.get("privacy_unit"))
     atomic_write_text(Path(root) / release.MANIFEST, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     return data
 
@@ -170,7 +170,7 @@ class RunDir:
         run = cls(out)
         atomic_write_text(run.path / RESOLVED, dump_recipe(recipe))
         atomic_write_json(run.path / PROVENANCE, provenance())
-        write_manifest(run.path, "run", release.recipe_flags(recipe))
+        write_manifest(run.path, "run", release.recipe_flags(recipe), release.recipe_unit(recipe))
         return run
 
     @classmethod

@@ -43,3 +43,26 @@ def roberta():
     from dptext.models import load_model
 
     return load_model("tiny-roberta", head="masked_lm")
+
+
+@pytest.fixture
+def interrupt_training(monkeypatch):
+    """``interrupt_training(n)`` makes the n-th training step raise KeyboardInterrupt (a kill mid-run, before the
+    step's checkpoint); the function it returns puts the real step back, for the resume."""
+    from dptext.finetune import loop
+
+    real_step = loop.train_step
+
+    def arm(at_call: int):
+        calls = {"n": 0}
+
+        def interrupted_step(training, sampled):
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                raise KeyboardInterrupt
+            return real_step(training, sampled)
+
+        monkeypatch.setattr(loop, "train_step", interrupted_step)
+        return lambda: monkeypatch.setattr(loop, "train_step", real_step)
+
+    return arm

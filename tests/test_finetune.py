@@ -79,24 +79,13 @@ def _final_weights(run_dir):
     return state["model"]
 
 
-def test_interrupted_run_resumes_to_identical_parameters(shared_data, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_to_identical_parameters(shared_data, tmp_path, interrupt_training):
     extra = ("train.max_steps=6", "train.checkpoint_every=2", "privacy.reproducible_noise=true")  # two runs compared
     run_finetune(recipe_for("table_to_text", shared_data, *extra, "eval.max_new_tokens=2"), out=tmp_path / "a")
-
-    from dptext.finetune import loop
-
-    real_step, calls = loop.train_step, {"n": 0}
-
-    def crash_at_fifth_step(training, indices):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real_step(training, indices)
-
-    monkeypatch.setattr(loop, "train_step", crash_at_fifth_step)
+    resume_normally = interrupt_training(5)
     with pytest.raises(KeyboardInterrupt):
         run_finetune(recipe_for("table_to_text", shared_data, *extra, "eval.max_new_tokens=2"), out=tmp_path / "b")
-    monkeypatch.setattr(loop, "train_step", real_step)
+    resume_normally()
     assert not (tmp_path / "b" / "result.json").exists()
     resumed = run_finetune(resume=tmp_path / "b")
     straight, again = _final_weights(tmp_path / "a"), _final_weights(tmp_path / "b")

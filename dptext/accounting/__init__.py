@@ -17,12 +17,12 @@ rate q and noise multiplier σ per step; a run is a sequence of ``StepRun``s.
 from dptext.accounting.calibrate import Calibration, calibrate_noise_multiplier
 from dptext.accounting.epsilon import METHODS, EpsilonResult, compute_all, compute_epsilon
 from dptext.accounting.events import StepRun, default_delta, resolve_delta, steps_for_epochs
-from dptext.accounting.ledger import PrivacyLedger
+from dptext.accounting.ledger import PrivacyLedger, epsilon_unit
 from dptext.accounting.plan import PrivacyPlan, plan_for_recipe
 from dptext.accounting.schedule import CONSTANT, NoiseSchedule, parse_schedule
 
 __all__ = [
     "METHODS", "CONSTANT", "Calibration", "EpsilonResult", "NoiseSchedule", "PrivacyLedger", "PrivacyPlan",
-    "StepRun", "calibrate_noise_multiplier", "compute_all", "compute_epsilon", "default_delta",
+    "StepRun", "calibrate_noise_multiplier", "compute_all", "compute_epsilon", "default_delta", "epsilon_unit",
     "parse_schedule", "plan_for_recipe", "resolve_delta", "steps_for_epochs",
 ]

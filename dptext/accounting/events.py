@@ -91,12 +91,13 @@ def default_delta(dataset_size: int) -> float:
     return 1.0 / (2 * check_dataset_size(dataset_size))
 
 
-def resolve_delta(delta: float | None, dataset_size: int | None) -> tuple[float, str]:
-    """The δ to use and where it came from, to be stated in every output."""
+def resolve_delta(delta: float | None, dataset_size: int | None, counted: str = "") -> tuple[float, str]:
+    """The δ to use and where it came from, to be stated in every output (``counted``: what n counts, e.g. users)."""
     if delta is not None:
         return check_delta(delta), "given"
     if dataset_size is not None:
-        return default_delta(dataset_size), f"1/(2n) with n={dataset_size} (default when δ is not given)"
+        n = f"{dataset_size} {counted}".strip()
+        return default_delta(dataset_size), f"1/(2n) with n={n} (default when δ is not given)"
     raise UserError("No δ given and the dataset size is unknown; give δ (--delta, privacy.delta) "
                     "or the dataset size (--dataset-size) for δ = 1/(2n).")
 

@@ -35,6 +35,13 @@ from dptext.errors import UserError
 LEDGER_FORMAT = 1
 
 
+def epsilon_unit(mechanism: dict[str, Any] | None) -> str:
+    """Whom one ε is about, from a mechanism's description: "per user (≤ k examples each)" or "per example"."""
+    if (mechanism or {}).get("unit") == "user":
+        return f"per user (≤ {mechanism['max_examples_per_user']} examples each)"
+    return "per example"
+
+
 class PrivacyLedger:
     """An append-only account of DP-SGD steps with ε per method."""
 
@@ -102,7 +109,9 @@ class PrivacyLedger:
             "format": LEDGER_FORMAT,
             "delta": self.delta,
             "delta_source": self.delta_source,
-            "dataset_size": self.dataset_size,
+            "dataset_size": self.dataset_size,  # n of q = B/n: users under user-level DP (see "unit")
+            "unit": "user" if (self.mechanism or {}).get("unit") == "user" else "example",  # the privacy unit
+            "epsilon_is": epsilon_unit(self.mechanism),
             "accountant": self.accountant,
             "steps": self.steps,
             "runs": [{"sample_rate": r.sample_rate, "noise_multiplier": r.noise_multiplier, "steps": r.steps}
@@ -137,4 +146,4 @@ class PrivacyLedger:
         return f"PrivacyLedger(steps={self.steps}, runs={len(self._runs)}, delta={self.delta:g})"
 
 
-__all__ = ["PrivacyLedger", "METHODS", "LEDGER_FORMAT"]
+__all__ = ["PrivacyLedger", "METHODS", "LEDGER_FORMAT", "epsilon_unit"]

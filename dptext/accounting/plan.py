@@ -39,11 +39,14 @@ class PrivacyPlan:
     delta_source: str
 
 
-def plan_for_recipe(recipe: Any, dataset_size: int) -> PrivacyPlan:
-    """q = B/n, steps = ceil(epochs/q) unless train.max_steps is set, δ = privacy.delta or 1/(2n)."""
+def plan_for_recipe(recipe: Any, dataset_size: int, counted: str = "") -> PrivacyPlan:
+    """q = B/n, steps = ceil(epochs/q) unless train.max_steps is set, δ = privacy.delta or 1/(2n).
+
+    n counts the privacy units (``counted`` names them when they are not examples: "users" for user-level DP,
+    where train.batch_size is the expected number of users per step and an epoch is one pass over the users)."""
     q = sample_rate_for(recipe.train.batch_size, dataset_size)
     steps = recipe.train.max_steps or steps_for_epochs(recipe.train.epochs, q)
-    delta, source = resolve_delta(recipe.privacy.delta, dataset_size)
+    delta, source = resolve_delta(recipe.privacy.delta, dataset_size, counted)
     return PrivacyPlan(dataset_size, q, steps, steps_per_epoch_for(q), delta, source)
 
 
@@ -96,6 +99,9 @@ def _recipe_row(name: str, recipe: Any, target_epsilon: float, delta: float | No
     if not recipe.privacy.enabled:
         return {**row, "noise_multiplier": None, "note": "non-private recipe (privacy.enabled: false)"}
     edp = recipe.privacy.method == "edp_sgd"
+    if recipe.privacy.unit == "user":  # n would be the number of users, which this listing does not count
+        return {**row, "noise_multiplier": None, "note": "privacy.unit=user: q counts users; the run calibrates σ "
+                "from the number of users in its data (its ledger and summary report it)"}
     try:
         plan = plan_for_recipe(recipe, _trained_size(recipe, train_size(recipe.data)))
         if delta is not None:

@@ -81,7 +81,7 @@ def canary_exposure(run_dir: str | Path, candidates: int = 2000, batch_size: int
         groups.append(group)
     privacy = proven_privacy(target)
     # privacy.unit / max_examples_per_user come with issue 24's training loop; older recipes are example-level
-    privacy["unit"] = getattr(target.recipe.privacy, "unit", "example")
+    privacy["unit"] = target.recipe.privacy.unit
     privacy["max_examples_per_user"] = getattr(target.recipe.privacy, "max_examples_per_user", None)
     report = {"run_dir": str(target.path), "recipe": target.recipe.name, "privacy": privacy,
               "canary_unit": canaries.get("unit", "example"),

@@ -135,7 +135,7 @@ def _report_recipes(out, eps, directory, delta) -> None:
 
 
 def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> None:
-    from dptext.accounting.ledger import PrivacyLedger
+    from dptext.accounting.ledger import PrivacyLedger, epsilon_unit
     from dptext.errors import UserError
     from dptext.runs import RunDir
 
@@ -153,8 +153,12 @@ def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> No
     if mechanism.get("noise_secret") is False:
         out.warn("This run's sampler and noise were derived from train.seed (privacy.reproducible_noise=true): "
                  "the ε below holds only while that seed stays secret.")
-    out.table(f"ε spent after {ledger.steps} steps", ["method", "ε", "lower", "upper", "note"],
+    unit = epsilon_unit(ledger.mechanism)
+    out.table(f"ε spent after {ledger.steps} steps, {unit}", ["method", "ε", "lower", "upper", "note"],
               [[LABELS[r.method], r.epsilon, r.lower, r.upper, r.note] for r in results])
+    headline = next((r for r in results if r.method == ledger.accountant), results[0])
+    if headline.epsilon is not None:
+        out.info(f"ε = {headline.epsilon:.4g} {unit} ({LABELS[headline.method]}, δ={ledger.delta:g})")
     if plot:
         _plot(out, ledger.runs, ledger.delta, methods, prv_eps_error, plot, str(run_dir))
     _report_release(out, run_dir, {"query": "ledger", "run_dir": str(run_dir), **ledger.to_dict(with_epsilon=False),
@@ -177,6 +181,8 @@ def _report_release(out, folder: Path, result: dict[str, Any]) -> None:
              items[0].get("why") or items[0]["what"]] for (top, status), items in groups.items()]
     for flag, reason in manifest.get("flags", {}).items():
         out.warn(f"{flag}: {reason}")
+    if manifest.get("privacy_unit"):
+        out.info(f"Privacy unit: {manifest['privacy_unit']['text']}")
     out.table(f"What ε covers in {folder}", ["file", "status", "what / why"], rows)
     out.result({**result, "release": manifest})
 

@@ -31,6 +31,8 @@ def finetune(
 
 
 def render_result(output, result: dict) -> None:
+    from dptext.accounting.ledger import epsilon_unit
+
     rows = [[f"{name} ({result['eval_split']})", value, result["metrics_before_training"].get(name)]
             for name, value in result["metrics"].items()]
     privacy = result["privacy"]
@@ -59,7 +61,8 @@ def render_result(output, result: dict) -> None:
         rows.append(["privacy", "none (non-private baseline)", None])
     if privacy.get("privacy_unit"):
         rows.append(["privacy unit", privacy["privacy_unit"], None])
-    rows += [["steps", privacy["steps"], None], ["expected batch", privacy["expected_batch_size"], None],
+    counted = privacy.get("counted", "examples")
+    rows += [["steps", privacy["steps"], None], [f"expected batch ({counted})", privacy["expected_batch_size"], None],
              ["time (s)", result["seconds"], None]]
     output.table(f"{result['recipe']}: {result['model']} / {result['task']}", ["", "after training",
                                                                               "before training"], rows)
@@ -70,7 +73,8 @@ def render_result(output, result: dict) -> None:
         guarantee = "without privacy"
         if privacy["private"]:
             method, bound = headline_epsilon(privacy)
-            guarantee = f"at ε ≤ {bound:.3g} ({method.upper()} upper bound), δ = {privacy['delta']:.2g}"
+            guarantee = (f"at ε ≤ {bound:.3g} {epsilon_unit(privacy.get('mechanism'))} ({method.upper()} upper "
+                         f"bound), δ = {privacy['delta']:.2g}")
             if not privacy.get("mechanism", {}).get("noise_secret", True):
                 guarantee += " — only while train.seed stays secret (privacy.reproducible_noise=true)"
         output.info(f"Look at: {headline} {change}{result['metrics'][headline]:.4g} after training, {guarantee}.")

@@ -16,7 +16,15 @@ class PrivacyConfig:
     delta: Optional[float] = doc(None, "Target δ; empty means 1/(2n) for n training examples (Li et al.).", gt=0, lt=1)
     noise_multiplier: Optional[float] = doc(None, "Use this σ instead of calibrating from target_epsilon.", gt=0,
                                             excludes="privacy.target_epsilon")
-    max_grad_norm: float = doc(0.1, "Per-example clipping norm C (Li et al. use 0.1).", gt=0)
+    max_grad_norm: float = doc(0.1, "Per-example clipping norm C (Li et al. use 0.1); per user with unit=user.", gt=0)
+    unit: Literal["example", "user"] = doc(
+        "example", "The privacy unit ε is about: one example (record), or one user (every record with the same "
+        "data.user_column value). With user, q and train.batch_size count users, each sampled user's examples are "
+        "clipped together to C, and n in δ = 1/(2n) is the number of users (docs/privacy_engine.md).")
+    max_examples_per_user: Optional[int] = doc(
+        None, "unit=user: k, the most examples one user contributes to a step (drawn at random, independently of "
+        "their content); required with unit=user and at most train.physical_batch_size.", ge=1,
+        only_with=("privacy.unit", "user"))
     accountant: Literal["rdp", "prv", "pld", "gdp"] = doc(
         "rdp", "Accountant that calibrates σ and reports the run: rdp, prv (its upper bound) or pld; all four are "
         "reported, but gdp (a CLT approximation, not a bound) is refused for training.")

@@ -58,6 +58,9 @@ def check_recipe(recipe: Any) -> None:
     if d.method in ("dp_sgd", "dpkd") and (not recipe.privacy.enabled or recipe.privacy.target_epsilon is None):
         raise UserError(f"distill.method={d.method} is a DP baseline; set privacy.enabled=true and "
                         "privacy.target_epsilon to the total budget.")
+    if recipe.privacy.unit == "user":  # the teacher budget split and the code histogram count examples
+        raise UserError("dptext distill supports example-level DP only; set privacy.unit=example (user-level DP "
+                        "is trained with `dptext finetune`).")
     if not d.student and not d.teacher:
         raise UserError("Name the student (distill.student) or a teacher run whose base model it starts from.")
     # the ranges of kd_lambda, temperature and hidden_alpha are declared in the schema; here, what is on disk

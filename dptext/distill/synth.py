@@ -65,6 +65,9 @@ def teacher_info(teacher: str | Path) -> dict[str, Any]:
         raise UserError(f"Teacher run '{teacher}' is not a control-coded language model (task.type="
                         f"{recipe.task.type}, control_codes={recipe.task.control_codes}); fine-tune the teacher with "
                         "task.type=language_modeling and task.control_codes set.")
+    if recipe.privacy.enabled and recipe.privacy.unit == "user":  # its histogram of codes would count examples
+        raise UserError(f"Teacher run '{teacher}' was trained with user-level DP (privacy.unit=user), which `dptext "
+                        "synth` cannot compose with its per-example code histogram; use an example-level teacher.")
     return {"run": run, "recipe": recipe, "result": result, "model_dir": model_dir,
             "privacy": teacher_privacy(result, str(run.path.resolve()))}
 

@@ -2,8 +2,9 @@
 
 Each logical step takes one batch of indices from the sampler (Poisson: its size varies and may
 be 0), runs it in physical micro-batches, and makes one optimizer step: for a private run the
-engine clips every example, adds noise once and divides by the expected batch size; the ledger
-records the step. Checkpoints hold everything needed to continue bit for bit: parameters,
+engine clips every example (every user's examples together under privacy.unit=user: micro-batches
+are split between users, never inside one), adds noise once and divides by the expected batch
+size; the ledger records the step. Checkpoints hold everything needed to continue bit for bit: parameters,
 optimizer moments, the sampler's and the noise's generators, the global RNGs and the ledger.
 """
 
@@ -22,6 +23,8 @@ from dptext.accounting import PrivacyLedger
 from dptext.errors import RunInterrupted, UserError
 from dptext.finetune.selection import save_best
 from dptext.finetune.seeds import capture_rng_state, restore_rng_state
+from dptext.finetune.user_level import micro_batches_by_user
+from dptext.privacy.user_sampler import UserBatch
 from dptext.runs import RunDir
 
 
@@ -40,22 +43,32 @@ def _autocast(training: Any):
     return torch.autocast(training.device.type, dtype=training.autocast_dtype)
 
 
-def train_step(training: Any, indices: list[int]) -> tuple[float | None, int]:
-    """One logical step on the examples ``indices``: (their mean loss or None for an empty batch, batch size).
+def chunks_of(training: Any, indices: list[int], users: list[int] | None):
+    """(rows, their users or None) per micro-batch; with users, micro-batches are split between users, never
+    inside one, so each user's rows reach the engine in one accumulate call and are clipped together."""
+    if users is not None:
+        return micro_batches_by_user(indices, users, training.physical_batch_size)
+    return ((chunk, None) for chunk in micro_batches(indices, training.physical_batch_size))
+
+
+def train_step(training: Any, sampled: Any) -> tuple[float | None, int]:
+    """One logical step on a batch of example indices, or a ``UserBatch`` (indices and the user of each): (their
+    mean loss or None for an empty batch, batch size in examples).
 
     Distributed, both are over every rank's examples (``indices`` are this rank's share)."""
+    indices, users = (sampled.indices, sampled.users) if isinstance(sampled, UserBatch) else (sampled, None)
     total, count = 0.0, 0
     distributed = training.dist is not None and training.dist.active
     # eDP-SGD clips whole micro-batches: its units are the sampled examples of each fixed slot (dptext.privacy.edp)
     units = getattr(training.engine, "clipping_units", None)
     for unit in units(indices) if units else [indices]:
-        for chunk in micro_batches(unit, training.physical_batch_size):
+        for chunk, owners in chunks_of(training, unit, users):
             batch = {k: v.to(training.device)
                      for k, v in training.task.collate([training.examples[i] for i in chunk]).items()}
             with _autocast(training):
                 losses = training.task.per_example_loss(training.model, batch)
             if training.private:
-                training.engine.accumulate(losses)
+                training.engine.accumulate(losses, units=None if owners is None else torch.tensor(owners))
             elif distributed:  # summed here, averaged over every rank's examples below
                 losses.float().sum().backward()
             else:  # non-private baseline: the mean over the realised batch, as ordinary training does
@@ -206,9 +219,9 @@ def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
         return record, step
     with output.progress(steps, "training", start=start_step) as progress, \
             stop_after_step(training.dist is None or not training.dist.active) as stop:
-        for step, indices in enumerate(training.sampler, start=start_step + 1):
+        for step, sampled in enumerate(training.sampler, start=start_step + 1):
             try:
-                loss, batch_size = train_step(training, indices)
+                loss, batch_size = train_step(training, sampled)
             except NonFiniteError:
                 stop_non_finite(training, run, step, "loss", checkpoint=step - 1 > start_step)
             if not weights_finite(training):

@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptext.accounting import epsilon_unit
 from dptext.data.audit_split import write_audit
 from dptext.errors import UserError
 from dptext.finetune import selection as model_selection
 from dptext.finetune.distributed import FollowerRun, current, release, silent_output
 from dptext.finetune.loop import restore, run_loop
 from dptext.finetune.setup import build_training
+from dptext.finetune.user_level import check_single_process, unit_summary, user_level, user_unit_text
 from dptext.finetune.validate import validate_run
 from dptext.output import Output
 from dptext.release import inherited_flags, recipe_flags
@@ -55,16 +57,19 @@ DIALOG_UNIT = ("one message (a record: the response with the dialog so far as it
                "is covered only by group privacy over the records it appears in (about (k+1)·ε for k later turns)")
 
 
-def privacy_unit(task_type: str) -> str:
-    """What one unit of the DP guarantee is for this task (what add/remove-one changes)."""
-    return DIALOG_UNIT if task_type == "dialog" else "one training record (one line / example of the data)"
+def privacy_unit(recipe: Any) -> str:
+    """What one unit of the DP guarantee is for this recipe (what add/remove-one changes)."""
+    if user_level(recipe):
+        return user_unit_text(recipe.privacy.max_examples_per_user)
+    return DIALOG_UNIT if recipe.task.type == "dialog" else "one training record (one line / example of the data)"
 
 
 def privacy_summary(training: Any) -> dict[str, Any]:
     recipe, plan = training.recipe, training.plan
     summary = {"private": training.private, "steps": plan.steps, "sample_rate": plan.sample_rate,
                "expected_batch_size": plan.sample_rate * plan.dataset_size, "dataset_size": plan.dataset_size,
-               "privacy_unit": privacy_unit(recipe.task.type)}
+               "counted": "examples" if training.users is None else "users",  # what q, n and the batch count
+               "privacy_unit": privacy_unit(recipe), **unit_summary(recipe, training.users)}
     if not training.private:
         return {**summary, "note": "non-private baseline: no clipping, no noise, no privacy guarantee"}
     return {**summary, "noise_multiplier": training.noise_multiplier,
@@ -106,6 +111,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         raise UserError("Give a recipe to fine-tune, or --resume RUN_DIR to continue a run.")
     validate_run(recipe, out, check_out=resume is None, check_model=build is None)  # before anything is written
     dist = current(recipe.train.device)  # torchrun: one process per device; rank 0 alone writes the run directory
+    check_single_process(recipe, dist.active)
     existed = out is not None and Path(out).is_dir()
     if resume is None:
         if dist.is_writer:
@@ -163,15 +169,17 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
 
 def _announce(training: Any, output: Any) -> None:
     plan, recipe = training.plan, training.recipe
-    line = (f"{recipe.model.name} on {recipe.data.dataset}: n={plan.dataset_size}, q={plan.sample_rate:.4g}, "
-            f"{plan.steps} steps, micro-batch {training.physical_batch_size}")
+    counted = "" if training.users is None else " users"
+    line = (f"{recipe.model.name} on {recipe.data.dataset}: n={plan.dataset_size}{counted}, "
+            f"q={plan.sample_rate:.4g}, {plan.steps} steps, micro-batch {training.physical_batch_size}")
     if training.private:
         line += (f"; DP with σ={training.noise_multiplier:.4g}, C={recipe.privacy.max_grad_norm:g}, "
-                 f"δ={plan.delta:.3g} ({plan.delta_source}), target ε={recipe.privacy.target_epsilon}")
+                 f"δ={plan.delta:.3g} ({plan.delta_source}), target ε={recipe.privacy.target_epsilon} "
+                 f"{epsilon_unit(training.ledger.mechanism)}")
     elif training.info.get("privacy_claim"):  # distillation from DP data: post-processing, the claim is inherited
         line += "; trains without noise on DP-derived data (the privacy claim is inherited, see the summary)"
     else:
         line += "; NON-PRIVATE baseline (privacy.enabled=false)"
     output.info(line)
-    if training.private and recipe.task.type == "dialog":
-        output.info(f"Privacy unit: {DIALOG_UNIT}.")
+    if training.private and (recipe.task.type == "dialog" or training.users is not None):
+        output.info(f"Privacy unit: {privacy_unit(recipe)}.")

@@ -23,6 +23,8 @@ from dptext.finetune.distributed import current
 from dptext.finetune.edp import build_edp
 from dptext.finetune.seeds import privacy_seed, seed_everything
 from dptext.finetune.task_probe import verify_with_task
+from dptext.data.users import user_groups
+from dptext.finetune.user_level import check_user_level
 from dptext.finetune.validate import check_records
 from dptext.models import load_tokenizer
 from dptext.privacy import PrivacyEngine
@@ -56,6 +58,7 @@ class Training:
     audit: Any = None  # dptext.data.audit_split.AuditSplit when the recipe's audit section asks for one
     dist: Any = None  # dptext.finetune.distributed.ProcessGroup (world size 1 unless launched by torchrun)
     selection: Any = None  # dptext.finetune.selection.Selection when the recipe selects on validation
+    users: Any = None  # privacy.unit=user: the example indices of each user (the privacy units), else None
 
     @property
     def private(self) -> bool:
@@ -122,6 +125,7 @@ def noise_for(recipe: Any, plan: Any) -> float:
 def build_training(recipe: Any, probe_now: bool = True) -> Training:
     """``probe_now=False`` leaves the start-up probe (``privacy.verify``) to a caller that replaces the task first
     (distillation's teacher loss), so it runs once, on the loss that trains."""
+    check_user_level(recipe)  # also here: distill and tests build without validate_run
     seed_everything(recipe.train.seed)
     device = pick_device(recipe.train.device)
     dist = current(recipe.train.device)
@@ -143,13 +147,16 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
     seed_everything(recipe.train.seed, "dropout", dist.rank)  # dropout: a stream apart from initialisation
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(recipe, params)
-    plan = plan_for_recipe(recipe, len(train))
+    privacy = recipe.privacy
+    users = user_groups(train) if privacy.enabled and privacy.unit == "user" else None
+    units = len(train) if users is None else len(users)  # q, steps and δ count the privacy units
+    plan = plan_for_recipe(recipe, units, "" if users is None else "users")
     training = Training(recipe=recipe, device=device, task=task, model=model, tokenizer=tokenizer,
                         optimizer=optimizer, examples=task.encode(train), eval_records=validation,
                         final_records=final, plan=plan, noise_multiplier=None,
                         autocast_dtype=autocast_dtype(recipe.train.precision, device),
-                        info={**trainable_summary(model), "dataset_size": len(train)}, audit=audit, dist=dist)
-    privacy = recipe.privacy
+                        info={**trainable_summary(model), "dataset_size": len(train)}, audit=audit, dist=dist,
+                        users=users)
     if privacy.method != "edp_sgd" and privacy.noise_decay != "none":
         raise UserError("privacy.noise_decay applies to privacy.method=edp_sgd; set it to none for dp_sgd.")
     if privacy.enabled:
@@ -159,21 +166,27 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
         build_edp(training, dist, probe_now)
     elif privacy.enabled:
         training.noise_multiplier = noise_for(recipe, plan)
-        training.ledger = PrivacyLedger(delta=privacy.delta, dataset_size=len(train), accountant=privacy.accountant)
+        training.ledger = PrivacyLedger(delta=plan.delta, dataset_size=units, accountant=privacy.accountant,
+                                        delta_source=plan.delta_source)
         training.engine = PrivacyEngine(
             model, optimizer, noise_multiplier=training.noise_multiplier, max_grad_norm=privacy.max_grad_norm,
-            sample_rate=plan.sample_rate, dataset_size=len(train), clipping_mode=privacy.clipping_mode,
+            sample_rate=plan.sample_rate, dataset_size=units, clipping_mode=privacy.clipping_mode,
             clipping_layout=privacy.clipping_layout, sampling=privacy.sampling,
             seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
             ledger=training.ledger.record_step, distributed=dist)
-        training.ledger.mechanism = training.engine.mechanism()
         if privacy.verify and probe_now:
             verify_with_task(training.engine, task, model)
-        training.sampler = training.engine.sampler(plan.steps)
+        training.sampler = (training.engine.sampler(plan.steps) if users is None else
+                            training.engine.user_sampler(users, privacy.max_examples_per_user, plan.steps))
+        training.ledger.mechanism = training.engine.mechanism()  # after the sampler: it says which unit ε is about
     else:  # no clipping or noise: the non-private baseline of the same recipe (its batches need no secret)
         sampling = privacy.sampling if not dist.active else "poisson"
         training.sampler = make_sampler(len(train), plan.sample_rate, plan.steps, recipe.train.seed, sampling, dist)
     training.physical_batch_size = recipe.train.physical_batch_size or choose_physical_batch_size(training, train)
+    if users is not None and training.physical_batch_size < privacy.max_examples_per_user:  # GPU memory probe
+        raise UserError(f"Only {training.physical_batch_size} examples fit in one micro-batch on this device but a "
+                        f"user's {privacy.max_examples_per_user} must be clipped together; lower "
+                        "privacy.max_examples_per_user or data.max_length.")
     return training
 
 
@@ -203,18 +216,21 @@ def choose_physical_batch_size(training: Training, train_records: list) -> int:
     On CPU a fixed size is used: host memory rarely limits these models, and running out of it kills the
     process instead of raising an error we could recover from. The micro-batch size does not change privacy.
     """
-    expected = max(1, int(round(training.plan.sample_rate * len(training.examples))))
+    # user-level: rows per step ≤ k per sampled user (an upper bound of public numbers), and a user's k in one call
+    per_user = training.recipe.privacy.max_examples_per_user if training.users is not None else 1
+    expected = max(per_user, int(round(training.plan.sample_rate * training.plan.dataset_size * per_user)))
     if training.device.type != "cuda":
-        return min(CPU_PHYSICAL_BATCH, expected)
-    size = min(GPU_PROBE_START, expected)
+        return min(max(CPU_PHYSICAL_BATCH, per_user), expected)
+    size = min(max(GPU_PROBE_START, per_user), expected)
     longest = training.task.encode(probe_records(train_records[0], size, training.recipe.data.max_length))
     while size > 1:
         try:
             batch = {k: v.to(training.device) for k, v in training.task.collate(longest[:size]).items()}
             with torch.autocast("cuda", dtype=training.autocast_dtype, enabled=training.autocast_dtype is not None):
                 loss = training.task.per_example_loss(training.model, batch)
-            if training.engine is not None:
-                training.engine.accumulate(loss)
+            if training.engine is not None:  # user-level: synthetic users of k rows, grouped as the loop groups
+                units = None if training.users is None else torch.arange(size) // per_user
+                training.engine.accumulate(loss, units=units)
                 training.engine.zero_grad()
             else:
                 loss.sum().backward()

@@ -16,6 +16,8 @@ from typing import Any
 
 from dptext.data import dataset_info, label_names, load_records
 from dptext.errors import UserError
+from dptext.data.users import user_groups
+from dptext.finetune.user_level import check_user_level, user_level
 from dptext.model_check import check_model_name
 from dptext.runs import RunDir
 from dptext.tasks.label_sets import check_records as check_declared
@@ -71,6 +73,7 @@ def check_privacy(recipe: Any) -> None:
     if privacy.enabled and privacy.target_epsilon is None and privacy.noise_multiplier is None:
         raise UserError("Set privacy.target_epsilon (or privacy.noise_multiplier), or privacy.enabled=false "
                         "for a non-private baseline.")
+    check_user_level(recipe)
 
 
 def validate_run(recipe: Any, out: str | Path | None = None, check_out: bool = True, check_model: bool = True) -> None:
@@ -120,3 +123,5 @@ def validate_local_data(recipe: Any) -> None:
         if not splits["train"]:
             raise UserError("The training split is empty; check data.path and data.max_train_examples.")
         check_records(recipe, splits)
+        if user_level(recipe):  # every training record names its user
+            user_groups(splits["train"])

@@ -102,6 +102,7 @@ class PrivacyEngine:
         self._record_step = getattr(ledger, "record_step", ledger)
         self.steps = 0
         self.batch_units = LogicalBatchUnits()
+        self.max_examples_per_user: int | None = None  # set by user_sampler(): ε is then about users
         self.distributed = distributed if distributed is not None and distributed.active else None
 
         self.optimizer = optimizer
@@ -239,6 +240,7 @@ class PrivacyEngine:
         if self.dataset_size != len(users):
             raise UserError(f"The engine is accounted for {self.dataset_size} units but {len(users)} users were "
                             "given; build it with dataset_size = the number of users (q is over users).")
+        self.max_examples_per_user = max_examples_per_user
         return make_user_sampler(users, self.sample_rate, steps, max_examples_per_user, self.root)
 
     @classmethod
@@ -270,10 +272,12 @@ class PrivacyEngine:
 
     def mechanism(self) -> dict[str, Any]:
         """What the guarantee is about: its unit, the sensitivity, where the noise is added."""
-        processes = self.distributed.world_size if self.distributed else 1
-        return {"method": "dp_sgd", "unit": "example", "sensitivity": self.max_grad_norm,
-                "guarantee": "example-level (ε, δ); clipping unit: one example, sensitivity C",
-                "processes": processes,
+        processes, k = self.distributed.world_size if self.distributed else 1, self.max_examples_per_user
+        unit = {"unit": "example", "guarantee": "example-level (ε, δ); clipping unit: one example, sensitivity C"}
+        if k is not None:  # the user sampler's batches: q over users, ≤ k examples each, clipped together
+            unit = {"unit": "user", "max_examples_per_user": k, "guarantee": f"user-level (ε, δ); clipping unit: one "
+                    f"user's sampled examples (at most {k}) summed, sensitivity C; q over users"}
+        return {"method": "dp_sgd", **unit, "sensitivity": self.max_grad_norm, "processes": processes,
                 "noise": "N(0, σ²C²) once per step" + (" on rank 0" if processes > 1 else ""),
                 "sampling": self.sampling, "randomness": randomness_note(self.root), "noise_secret": self.root.secret}
 
