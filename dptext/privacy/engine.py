@@ -45,6 +45,7 @@ from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names,
                                  find_tracked_modules, unproven_rules)
 from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
+from dptext.privacy.sharded import noise_site, sharded_optimizer
 from dptext.privacy.step_checks import check_trainable_set, parameter_names
 from dptext.privacy.units import LogicalBatchUnits, unit_index
 from dptext.privacy.user_sampler import UserPoissonSampler, make_user_sampler
@@ -79,6 +80,10 @@ class PrivacyEngine:
         _check_choice("clipping_mode", clipping_mode, CLIPPING_MODES)
         _check_choice("clipping_layout", clipping_layout, CLIPPING_LAYOUTS)
         _check_choice("sampling", sampling, SAMPLINGS)
+        if clipping_mode == "ghost" and getattr(distributed, "sharded", False):
+            raise UserError("Ghost clipping's second backward pass goes through FSDP2's gradient reduce-scatter, "
+                            "which dptext does not keep exact yet; use clipping_mode='bookkeeping' (the same "
+                            "clipped sums in one backward pass) with train.sharding=fsdp.")
         if clipping_mode == "ghost" and clipping_layout == "per_layer":
             raise UserError("Ghost clipping's second backward pass applies one factor per example; use "
                             "clipping_mode='bookkeeping' (or per_sample) for per-layer clipping.")
@@ -108,10 +113,13 @@ class PrivacyEngine:
         self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
         self._probe_args: tuple = ()
         self._plan()
-        self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
-                                        self.expected_batch_size, NoiseSource(self.root, secure_rng, self.rank),
-                                        reduce=self.distributed.all_reduce_sum if self.distributed else None,
-                                        adds_noise=self.distributed is None or self.distributed.rank == 0)
+        if self.distributed is not None and self.distributed.sharded:  # FSDP2: each rank noises its own rows
+            self.dp_optimizer = sharded_optimizer(self, optimizer, secure_rng)
+        else:
+            self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
+                                            self.expected_batch_size, NoiseSource(self.root, secure_rng, self.rank),
+                                            reduce=self.distributed.all_reduce_sum if self.distributed else None,
+                                            adds_noise=self.distributed is None or self.distributed.rank == 0)
         self.dp_optimizer.param_names = self.param_names()
 
     def _plan(self) -> None:
@@ -274,7 +282,7 @@ class PrivacyEngine:
         return {"method": "dp_sgd", "unit": "example", "sensitivity": self.max_grad_norm,
                 "guarantee": "example-level (ε, δ); clipping unit: one example, sensitivity C",
                 "processes": processes,
-                "noise": "N(0, σ²C²) once per step" + (" on rank 0" if processes > 1 else ""),
+                "noise": "N(0, σ²C²) once per step" + (noise_site(self.distributed) if processes > 1 else ""),
                 "sampling": self.sampling, "randomness": randomness_note(self.root), "noise_secret": self.root.secret}
 
     def state_dict(self) -> dict[str, Any]:
