@@ -45,7 +45,7 @@ from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names,
                                  find_tracked_modules, unproven_rules)
 from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
-from dptext.privacy.sharded import noise_site, sharded_optimizer
+from dptext.privacy.sharded import noise_site, sharded_optimizer, whole_weights
 from dptext.privacy.step_checks import check_trainable_set, parameter_names
 from dptext.privacy.units import LogicalBatchUnits, unit_index
 from dptext.privacy.user_sampler import UserPoissonSampler, make_user_sampler
@@ -125,7 +125,8 @@ class PrivacyEngine:
     def _plan(self) -> None:
         """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
         self.names = _module_names(self.model)
-        self.tracked = find_tracked_modules(self.model, self.clipping_mode)
+        with whole_weights(self.model):  # FSDP2: layers are matched to their rules on the gathered weights
+            self.tracked = find_tracked_modules(self.model, self.clipping_mode)
         self.params = list(dict.fromkeys(module.get_parameter(name) for module, (_, names) in self.tracked.items()
                                          for name in names))
         if not self.params:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -119,7 +120,8 @@ class ShardedDPOptimizer(DPOptimizer):
             layout.append((param, per_rank, flat.shape[1]))
         stacked = torch.cat(pieces, dim=1)  # (ranks, Σ padded shard sizes): rank r's rows of every parameter
         mine = stacked.new_empty(stacked.shape[1])
-        dist.reduce_scatter_tensor(mine, stacked.reshape(-1).contiguous(), op=dist.ReduceOp.SUM)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+        scatter(mine, stacked.reshape(-1).contiguous(), op=dist.ReduceOp.SUM)
         out, offset = {}, 0
         for param, per_rank, width in layout:
             _, count = local_rows(param, self.rank, self.world_size)
@@ -171,3 +173,19 @@ def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool
 
 def noise_site(context) -> str:
     return ", each rank drawing its own shard's coordinates once" if context.sharded else " on rank 0"
+
+
+@contextmanager
+def whole_weights(model: nn.Module):
+    """Every FSDP2 module of ``model`` holding its gathered weights (all ranks enter it together): a rule that
+    checks a layer numerically (RMSNorm's structural match) runs the layer, which a sharded weight cannot."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
