@@ -6,7 +6,8 @@ root, and are compared here with single-process twins: (a) the update of one noi
 clipped sum / B) equals the single-process one for book-keeping, per_sample and per-layer clipping; (b) a
 noise-only step gives every coordinate exactly the noise of one process with the same key — each coordinate drawn
 once, by the rank that owns it — with std σ·C; (c) per-rank parameter + gradient + Adam-state bytes are about
-half of the unsharded ones; (d) ghost clipping is refused before any data is touched.
+half of the unsharded ones; (d) the non-private gradient is the mean over every rank's examples; (e) ghost
+clipping is refused before any data is touched.
 """
 
 from __future__ import annotations
@@ -146,6 +147,14 @@ def ghost_refusal(ctx) -> str:
     return ""
 
 
+def non_private_mean(ctx, mine):
+    """The non-private baseline's gradient: FSDP2's reduce-scatter, then ``average_gradients`` (gathered)."""
+    model = shard(tiny_lm(), ctx)
+    losses(model, token_ids()[mine]).sum().backward()
+    ctx.average_gradients(list(model.parameters()), len(mine))
+    return {name: full(p.grad) for name, p in model.named_parameters()}
+
+
 def worker(out: Path) -> None:
     """One rank of the 2-process checks (this file run as a script with torchrun's environment)."""
     from dptext.finetune.distributed import current, release
@@ -158,6 +167,7 @@ def worker(out: Path) -> None:
         "noise": noise_step(ctx),
         "bytes": adam_bytes(ctx),
         "ghost": ghost_refusal(ctx),
+        "non_private": non_private_mean(ctx, mine),
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -223,6 +233,14 @@ def test_sharded_parameter_gradient_and_adam_bytes_are_about_half(two_ranks):
     unsharded = adam_bytes()
     for rank in two_ranks:
         assert rank["bytes"] <= 0.6 * unsharded, (rank["bytes"], unsharded)
+
+
+def test_non_private_sharded_gradient_is_the_mean_over_every_rank(two_ranks):
+    model = tiny_lm()
+    (losses(model, token_ids()).sum() / N).backward()
+    for rank in two_ranks:
+        for name, param in model.named_parameters():
+            assert torch.allclose(rank["non_private"][name], param.grad, atol=1e-10), name
 
 
 def test_ghost_clipping_is_refused_with_sharding(two_ranks):

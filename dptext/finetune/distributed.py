@@ -88,10 +88,10 @@ class ProcessGroup(DistributedContext):
 
     def average_gradients(self, params: list, local_count: int) -> int:
         """Non-private baseline: replace each grad by Σ_ranks grad / (global example count); returns that count."""
-        if self.sharded:  # FSDP2 already reduce-scattered Σ_ranks grad into each rank's shard (divide factor 1)
+        if self.sharded:  # FSDP2 already reduce-scattered Σ_ranks grad / N into each rank's shard
             count = int(round(self.sum_floats(local_count)[0]))
             for param in params:
-                param.grad = param.grad / count if count and param.grad is not None else None
+                param.grad = param.grad * (self.world_size / count) if count and param.grad is not None else None
             return count
         grads = {i: (p.grad if p.grad is not None else torch.zeros_like(p)) for i, p in enumerate(params)}
         grads["count"] = torch.tensor([float(local_count)], device=params[0].device)

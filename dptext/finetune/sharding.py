@@ -53,7 +53,6 @@ def shard_model(model: nn.Module, blocks: list[nn.Module] | None = None, policy:
     for block in transformer_blocks(model) if blocks is None else blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)
-    model.set_gradient_divide_factor(1.0)  # the non-private baseline's grads: Σ over ranks, divided by the count
     return model
 
 
@@ -207,14 +206,30 @@ def load_weights(training: Any, checkpoints: Path, name: str) -> None:
             original = "." + stored.name[:-len(SUFFIX)] if stored == metadata else stored.name[:-len(SUFFIX)]
             _link_or_copy(stored, staging / original)
     dist.barrier()
-    state = {"model": get_model_state_dict(training.model),
-             "optimizer": get_optimizer_state_dict(training.model, training.optimizer)}
+    with all_requiring_grad(training.optimizer):
+        state = {"model": get_model_state_dict(training.model),
+                 "optimizer": get_optimizer_state_dict(training.model, training.optimizer)}
     dcp.load(state, checkpoint_id=str(staging))
     set_model_state_dict(training.model, state["model"])
     set_optimizer_state_dict(training.model, training.optimizer, state["optimizer"])
     dist.barrier()
     if training.dist.is_writer:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def all_requiring_grad(optimizer: Any):
+    """The optimizer's parameters marked as requiring grad for a moment: torch creates a fresh optimizer's state
+    (which DCP then fills) only for those, and book-keeping takes every parameter out of autograd."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    flags = [p.requires_grad for p in params]
+    for param in params:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param, flag in zip(params, flags):
+            param.requires_grad_(flag)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

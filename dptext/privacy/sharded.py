@@ -106,27 +106,36 @@ class ShardedDPOptimizer(DPOptimizer):
         self.rank, self.world_size = rank, world_size
 
     def _reduce_scatter(self) -> dict[nn.Parameter, Tensor]:
-        """Each parameter's own rows of Σ_ranks (clipped sums), in fp32; consumes the accumulated sums."""
-        pieces, layout = [], []
+        """Each parameter's own rows of Σ_ranks (clipped sums), in fp32; consumes the accumulated sums one by one
+        into one send buffer (rank r's rows of every parameter side by side), so one model-sized copy at a time."""
+        layout, width = [], 0
         for param in self.params:
-            total = self.summed.pop(param, None)
-            full = torch.zeros(param.shape, dtype=torch.float32, device=param.to_local().device) \
-                if total is None else total.to(torch.float32)
             rows = param.shape[0] if param.ndim else 1
             per_rank = -(-rows // self.world_size)
-            flat = full.reshape(rows, -1)
-            padded = torch.cat([flat, flat.new_zeros(per_rank * self.world_size - rows, flat.shape[1])])
-            pieces.append(padded.reshape(self.world_size, -1))
-            layout.append((param, per_rank, flat.shape[1]))
-        stacked = torch.cat(pieces, dim=1)  # (ranks, Σ padded shard sizes): rank r's rows of every parameter
-        mine = stacked.new_empty(stacked.shape[1])
+            layout.append((param, rows, per_rank, param.numel() // max(rows, 1)))
+            width += per_rank * layout[-1][3]
+        device = self.params[0].to_local().device
+        send = torch.zeros(self.world_size, width, dtype=torch.float32, device=device)
+        offset = 0
+        for param, rows, per_rank, row_size in layout:
+            total = self.summed.pop(param, None)
+            if total is not None:  # rows beyond the parameter's end stay zero (FSDP2 pads the last shard)
+                slots = send[:, offset:offset + per_rank * row_size].unflatten(1, (per_rank, row_size))
+                total = total.reshape(rows, row_size)
+                for rank in range(self.world_size):
+                    first, count = local_rows(param, rank, self.world_size)
+                    slots[rank, :count].copy_(total[first:first + count])
+            del total
+            offset += per_rank * row_size
+        mine = send.new_empty(width)
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-        scatter(mine, stacked.reshape(-1).contiguous(), op=dist.ReduceOp.SUM)
+        scatter(mine, send.view(-1), op=dist.ReduceOp.SUM)
+        del send
         out, offset = {}, 0
-        for param, per_rank, width in layout:
+        for param, rows, per_rank, row_size in layout:
             _, count = local_rows(param, self.rank, self.world_size)
-            out[param] = mine[offset:offset + count * width].reshape(param.to_local().shape)
-            offset += per_rank * width
+            out[param] = mine[offset:offset + count * row_size].view(param.to_local().shape)
+            offset += per_rank * row_size
         return out
 
     def privatized_grads(self) -> dict[nn.Parameter, Tensor]:
