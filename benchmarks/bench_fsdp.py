@@ -70,21 +70,10 @@ class PeakRss:
         self._thread.join()
 
 
-def state_bytes(model, optimizer) -> int:
-    def local(tensor):
-        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters()
-                                                       if p.grad is not None]
-    tensors += [local(v) for state in optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.ndim]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def worker(args) -> None:
     """One rank of one job: a few DP steps on random tokens (public, synthetic), then this rank's numbers."""
     from dptext.finetune.distributed import current, release
-    from dptext.finetune.sharding import shard_model
+    from dptext.finetune.sharding import held_bytes, shard_model
     from dptext.privacy import PrivacyEngine, causal_lm_loss
 
     ctx = current(args.device)
@@ -119,7 +108,7 @@ def worker(args) -> None:
     with PeakRss() as rss:
         times = sorted(step() for _ in range(args.steps))
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else rss.peak - baseline
-    held = state_bytes(model, optimizer)
+    held = held_bytes(model, optimizer)
     numbers = ctx.gather({"rank": ctx.rank, "state_bytes": held, "peak_bytes": peak,
                           "step_seconds": times[len(times) // 2]})
     if ctx.rank == 0:

@@ -6,7 +6,8 @@ root, and are compared here with single-process twins: (a) the update of one noi
 clipped sum / B) equals the single-process one for book-keeping, per_sample and per-layer clipping; (b) a
 noise-only step gives every coordinate exactly the noise of one process with the same key — each coordinate drawn
 once, by the rank that owns it — with std σ·C; (c) per-rank parameter + gradient + Adam-state bytes are about
-half of the unsharded ones; (d) the non-private gradient is the mean over every rank's examples; (e) ghost
+half of the unsharded ones; (d) a rank with no examples joins with empty passes and changes nothing; (e) the
+non-private gradient is the mean over every rank's examples; (f) ghost
 clipping is refused before any data is touched.
 """
 
@@ -95,6 +96,41 @@ def dp_update(mode: str, layout: str, ctx=None, indices=None):
     return {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
 
 
+class TokenTask:
+    """The two task methods the loop's empty pass uses, for ``token_ids`` batches."""
+
+    def probe_batch(self, model, generator, batch_size, seq_len):
+        return {"input_ids": torch.randint(0, VOCAB, (batch_size, seq_len), generator=generator)}
+
+    def per_example_loss(self, model, batch):
+        return losses(model, batch["input_ids"])
+
+
+def uneven_update(ctx):
+    """Rank 0 holds every example (3 micro-batches), rank 1 none: it joins the collectives with empty passes."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from dptext.finetune.sharding import empty_pass, same_count_on_every_rank
+    from dptext.privacy import PrivacyEngine
+
+    model = shard(tiny_lm(), ctx)
+    before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, distributed=ctx)
+    ids = token_ids()
+    training = SimpleNamespace(dist=ctx, engine=engine, model=model, task=TokenTask(), device=torch.device("cpu"))
+    mine = list(range(N)) if ctx.rank == 0 else []
+    chunks = same_count_on_every_rank(training, [mine[i:i + 4] for i in range(0, len(mine), 4)])
+    for chunk in chunks:
+        if chunk:
+            engine.accumulate(losses(model, ids[chunk]))
+        else:
+            empty_pass(training, nullcontext())
+    engine.step()
+    return len(chunks), {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
+
+
 def noise_step(ctx=None):
     """The parameter moves of one noise-only step (SGD, lr 1) of a model with 2 × 300 × 301 + 2 coordinates."""
     from dptext.privacy import PrivacyEngine
@@ -110,19 +146,8 @@ def noise_step(ctx=None):
     return {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
 
 
-def state_bytes(model, optimizer) -> int:
-    """This rank's bytes of parameters, gradients and optimizer state (local shards of sharded tensors)."""
-    def local(tensor):
-        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters()
-                                                       if p.grad is not None]
-    tensors += [local(v) for state in optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.ndim]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def adam_bytes(ctx=None) -> int:
+    from dptext.finetune.sharding import held_bytes
     from dptext.privacy import PrivacyEngine
 
     model = shard(tiny_lm(), ctx)
@@ -131,7 +156,7 @@ def adam_bytes(ctx=None) -> int:
                            dataset_size=N, distributed=ctx)
     engine.accumulate(losses(model, token_ids()[:2]))
     engine.step()
-    return state_bytes(model, optimizer)
+    return held_bytes(model, optimizer)
 
 
 def ghost_refusal(ctx) -> str:
@@ -168,6 +193,7 @@ def worker(out: Path) -> None:
         "bytes": adam_bytes(ctx),
         "ghost": ghost_refusal(ctx),
         "non_private": non_private_mean(ctx, mine),
+        "uneven": uneven_update(ctx),
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -191,6 +217,15 @@ def test_sharded_clipped_sum_equals_single_process(two_ranks, case):
         for name in single:
             assert torch.allclose(got[name], single[name], atol=1e-6, rtol=1e-5), \
                 f"{case} {name}: off by {(got[name] - single[name]).abs().max():.3g}"
+
+
+def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ranks):
+    single = dp_update("bookkeeping", "all_layer")
+    for rank in two_ranks:
+        count, got = rank["uneven"]
+        assert count == 3  # rank 1 ran 3 empty passes (a missing one would hang FSDP2's collectives)
+        for name in single:
+            assert torch.allclose(got[name], single[name], atol=1e-6, rtol=1e-5), name
 
 
 def test_each_coordinate_is_noised_once_with_std_sigma_c(two_ranks):

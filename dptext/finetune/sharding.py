@@ -117,13 +117,16 @@ def same_count_on_every_rank(training: Any, chunks) -> list:
 
 
 def empty_pass(training: Any, autocast: Any) -> None:
-    """A forward and backward pass on no example (a rank joining the others' collectives): it adds nothing to
-    the clipped sums or the gradients; its batch has the shape of the first training example, no rows."""
-    batch = {k: v[:0].to(training.device) for k, v in training.task.collate(training.examples[:1]).items()}
+    """A forward and backward pass that adds nothing (a rank joining the others' collectives): on the task's
+    synthetic probe batch (random ids, never a record), its loss multiplied by 0 and its recorded layer uses
+    dropped before any clipping."""
+    generator = torch.Generator().manual_seed(0)
+    batch = {k: v.to(training.device) if isinstance(v, torch.Tensor) else v
+             for k, v in training.task.probe_batch(training.model, generator, 1, 4).items()}
     with autocast:
         losses = training.task.per_example_loss(training.model, batch)
     if losses.requires_grad:
-        losses.sum().backward()
+        (losses * 0).sum().backward()
     if training.engine is not None:
         training.engine.recorder.take_uses()
         training.engine.outside_reads.clear()
@@ -262,3 +265,12 @@ def as_unsharded_class(model: nn.Module):
         yield model
     finally:
         model.__class__ = wrapped
+
+
+def held_bytes(model: nn.Module, optimizer: Any) -> int:
+    """This rank's bytes of parameters, gradients and optimizer state (the local shards of sharded ones)."""
+    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters()
+                                                       if p.grad is not None]
+    tensors += [local(v) for state in optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.ndim]
+    return sum(t.numel() * t.element_size() for t in tensors)
