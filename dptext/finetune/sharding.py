@@ -190,7 +190,8 @@ def save_weights(training: Any, checkpoints: Path, step: int) -> str:
 
 
 def load_weights(training: Any, checkpoints: Path, name: str) -> None:
-    """Every rank reads its shards of the model and optimizer back (``save_weights``)."""
+    """Every rank reads its shards of the model and optimizer back (``save_weights``). Known open bug: a resumed
+    run does not yet end with the straight run's weights (tests/test_fsdp_run.py, xfail)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
