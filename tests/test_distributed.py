@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from two_ranks import run_two_ranks
 
 N, C = 12, 1.0
 MODES = ("bookkeeping", "ghost", "per_sample")
@@ -138,29 +138,9 @@ def worker(out: Path) -> None:
     release()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=TIMEOUT)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_two_ranks(__file__, tmp_path_factory.mktemp("ranks"), TIMEOUT)
 
 
 def _assert_close(got, want, what):

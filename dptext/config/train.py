@@ -35,6 +35,9 @@ class TrainConfig:
                           "validation evaluation (kept in best.pt; needs train.eval_every; a checkpoint follows "
                           "every evaluation).")
     log_every: int = doc(10, "Write metrics every N steps.", ge=1)
+    sharding: Literal["none", "fsdp"] = doc(
+        "none", "none: every torchrun rank holds the whole model; fsdp: parameters, gradients and optimizer state "
+        "sharded over the ranks with FSDP2 (docs/sharding.md). Does not change privacy.")
 
 
 @dataclass

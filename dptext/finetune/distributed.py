@@ -77,8 +77,22 @@ class ProcessGroup(DistributedContext):
                                                          device=device)})["v"]
         return tuple(reduced.tolist())
 
+    def all_reduce_max(self, value: int) -> int:
+        """The largest ``value`` over the ranks (all ranks call it)."""
+        if not self.active:
+            return value
+        device = torch.device("cuda", self.local_rank) if _backend() == "nccl" else torch.device("cpu")
+        box = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return int(box.item())
+
     def average_gradients(self, params: list, local_count: int) -> int:
         """Non-private baseline: replace each grad by Σ_ranks grad / (global example count); returns that count."""
+        if self.sharded:  # FSDP2 already reduce-scattered Σ_ranks grad / N into each rank's shard
+            count = int(round(self.sum_floats(local_count)[0]))
+            for param in params:
+                param.grad = param.grad * (self.world_size / count) if count and param.grad is not None else None
+            return count
         grads = {i: (p.grad if p.grad is not None else torch.zeros_like(p)) for i, p in enumerate(params)}
         grads["count"] = torch.tensor([float(local_count)], device=params[0].device)
         reduced = self.all_reduce_sum(grads)

@@ -15,12 +15,14 @@ import math
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from dptext.accounting import PrivacyLedger
 from dptext.errors import RunInterrupted, UserError
+from dptext.finetune import sharding
 from dptext.finetune.selection import save_best
 from dptext.finetune.seeds import capture_rng_state, restore_rng_state
 from dptext.finetune.user_level import micro_batches_by_user
@@ -48,7 +50,8 @@ def chunks_of(training: Any, indices: list[int], users: list[int] | None):
     inside one, so each user's rows reach the engine in one accumulate call and are clipped together."""
     if users is not None:
         return micro_batches_by_user(indices, users, training.physical_batch_size)
-    return ((chunk, None) for chunk in micro_batches(indices, training.physical_batch_size))
+    chunks = sharding.same_count_on_every_rank(training, micro_batches(indices, training.physical_batch_size))
+    return ((chunk, None) for chunk in chunks)
 
 
 def train_step(training: Any, sampled: Any) -> tuple[float | None, int]:
@@ -63,6 +66,9 @@ def train_step(training: Any, sampled: Any) -> tuple[float | None, int]:
     units = getattr(training.engine, "clipping_units", None)
     for unit in units(indices) if units else [indices]:
         for chunk, owners in chunks_of(training, unit, users):
+            if not chunk:  # FSDP2: this rank has fewer micro-batches than another; it joins their collectives
+                sharding.empty_pass(training, _autocast(training))
+                continue
             batch = {k: v.to(training.device)
                      for k, v in training.task.collate([training.examples[i] for i in chunk]).items()}
             with _autocast(training):
@@ -94,14 +100,17 @@ def train_step(training: Any, sampled: Any) -> tuple[float | None, int]:
     return (total / count if count else None), int(count)
 
 
-def checkpoint_state(training: Any, step: int) -> dict[str, Any]:
-    state = {
-        "model": training.model.state_dict(),
-        "optimizer": training.optimizer.state_dict(),
+def checkpoint_state(training: Any, step: int, checkpoints: Path | None = None) -> dict[str, Any]:
+    """``checkpoints``: the folder that FSDP2's sharded weights are written to (every rank writes its shard)."""
+    if sharding.is_sharded(training):
+        state: dict[str, Any] = {"sharded_weights": sharding.save_weights(training, checkpoints, step)}
+    else:
+        state = {"model": training.model.state_dict(), "optimizer": training.optimizer.state_dict()}
+    state.update({
         # per rank when distributed (a list indexed by rank, gathered to rank 0, which alone writes)
         "sampler": _gather(training, training.sampler.generator.get_state()),
         "rng": _gather(training, capture_rng_state()),
-    }
+    })
     if training.private:
         state["engine"] = training.engine.state_dict()
         state["ledger"] = training.ledger.to_dict(with_epsilon=False)
@@ -110,10 +119,13 @@ def checkpoint_state(training: Any, step: int) -> dict[str, Any]:
     return state
 
 
-def restore(training: Any, state: dict[str, Any]) -> int:
+def restore(training: Any, state: dict[str, Any], checkpoints: Path | None = None) -> int:
     """Put a freshly built training back where the checkpoint left it; returns the step reached."""
-    training.model.load_state_dict(state["model"])
-    training.optimizer.load_state_dict(state["optimizer"])
+    if "sharded_weights" in state:
+        sharding.load_weights(training, checkpoints, state["sharded_weights"])
+    else:
+        training.model.load_state_dict(state["model"])
+        training.optimizer.load_state_dict(state["optimizer"])
     training.sampler.generator.set_state(_mine(training, state["sampler"]))
     training.sampler.steps = training.plan.steps - state["step"]
     if training.private:
@@ -140,7 +152,7 @@ def save_checkpoint(training: Any, run: RunDir, step: int) -> None:
     ledger.json at or ahead of every checkpoint on disk, so `dptext account RUN_DIR` never under-reports ε."""
     if training.private:
         run.save_ledger(training.ledger.to_dict())
-    run.save_checkpoint(checkpoint_state(training, step), step)
+    run.save_checkpoint(checkpoint_state(training, step, run.checkpoint_dir), step)
 
 
 class _StopFlag:
@@ -171,6 +183,8 @@ def stop_after_step(enabled: bool = True):
 
 def weights_finite(training: Any) -> bool:
     """Whether every trainable weight is finite (a NaN gradient or an overflow shows up here after the step)."""
+    if sharding.is_sharded(training):
+        return sharding.weights_finite(training)
     return all(bool(torch.isfinite(p).all()) for p in training.model.parameters() if p.requires_grad)
 
 

@@ -22,6 +22,7 @@ from dptext.accounting import epsilon_unit
 from dptext.data.audit_split import write_audit
 from dptext.errors import UserError
 from dptext.finetune import selection as model_selection
+from dptext.finetune import sharding
 from dptext.finetune.distributed import FollowerRun, current, release, silent_output
 from dptext.finetune.loop import restore, run_loop
 from dptext.finetune.setup import build_training
@@ -34,7 +35,8 @@ from dptext.runs import MODEL_DIR, RunDir, atomic_directory
 
 def _evaluator(training: Any, output: Any):
     def evaluate(records: list) -> dict[str, float]:
-        if not records or (training.dist is not None and not training.dist.is_writer):  # rank 0 evaluates
+        if not records or (training.dist is not None and not training.dist.is_writer  # rank 0 evaluates (all
+                           and not training.dist.sharded):  # ranks when sharded: each forward gathers weights)
             return {}
         task = training.task
         with output.progress(task.evaluation_size(records), "evaluating") as progress:
@@ -43,11 +45,12 @@ def _evaluator(training: Any, output: Any):
     return evaluate
 
 
-def save_model(training: Any, run: RunDir) -> Path:
-    """The trained model and tokenizer as a HF folder (atomically: temp folder, then rename)."""
+def save_model(training: Any, run: RunDir, full_state: dict | None = None) -> Path:
+    """The trained model and tokenizer as a HF folder (atomically: temp folder, then rename); ``full_state``: the
+    gathered weights of a sharded model (``sharding.full_state_dict``)."""
     target = run.path / MODEL_DIR
-    with atomic_directory(target) as staging:
-        training.model.save_pretrained(staging)
+    with atomic_directory(target) as staging, sharding.as_unsharded_class(training.model) as model:
+        model.save_pretrained(staging, **({"state_dict": full_state} if full_state is not None else {}))
         training.tokenizer.save_pretrained(staging)
     return target
 
@@ -134,7 +137,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         write_audit(run.path, training.audit, trained_on=len(training.examples))
     evaluate = _evaluator(training, output)
     state = run.load_checkpoint() if resume is not None else None
-    start_step = restore(training, state) if state is not None else 0
+    start_step = restore(training, state, run.checkpoint_dir) if state is not None else 0
     if state is not None:
         run.truncate_metrics_after(start_step)
         output.info(f"Resuming at step {start_step} of {training.plan.steps}.")
@@ -149,10 +152,11 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         model_selection.restore_best(run, training.model, training.selection)
     final = evaluate(training.final_records)
     run.log_metrics({"step": steps_run, "split": recipe.eval.split, **final})
+    full_state = sharding.full_state_dict(training)  # FSDP2: every rank sends its shards to rank 0
     if not dist.is_writer:
         release()
         return {"follower": True, "rank": dist.rank, "run_dir": str(run.path)}
-    model_dir = save_model(training, run)
+    model_dir = save_model(training, run, full_state)
     result = {
         "run_dir": str(run.path), "recipe": recipe.name, "model": recipe.model.name, "task": recipe.task.type,
         "eval_split": recipe.eval.split, "primary_metric": training.task.primary_metric,

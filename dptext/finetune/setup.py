@@ -22,6 +22,7 @@ from dptext.errors import UserError
 from dptext.finetune.distributed import current
 from dptext.finetune.edp import build_edp
 from dptext.finetune.seeds import privacy_seed, seed_everything
+from dptext.finetune.sharding import check_sharding, mark_verified, prove_then_shard
 from dptext.finetune.task_probe import verify_with_task
 from dptext.data.users import user_groups
 from dptext.finetune.user_level import check_user_level
@@ -129,6 +130,9 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
     seed_everything(recipe.train.seed)
     device = pick_device(recipe.train.device)
     dist = current(recipe.train.device)
+    dist.sharded = recipe.train.sharding == "fsdp"
+    if dist.sharded:
+        check_sharding(recipe, dist.world_size, probe_now)
     if dist.active and device.type == "cuda":  # one process per GPU
         device = torch.device("cuda", dist.local_rank)
     train, validation, final = load_splits(recipe)
@@ -145,6 +149,8 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
     model.train()
     dist.broadcast_parameters(model)
     seed_everything(recipe.train.seed, "dropout", dist.rank)  # dropout: a stream apart from initialisation
+    if dist.sharded:  # the optimizer and the engine are built on the sharded parameters
+        model = prove_then_shard(recipe, task, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(recipe, params)
     privacy = recipe.privacy
@@ -174,7 +180,9 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
             clipping_layout=privacy.clipping_layout, sampling=privacy.sampling,
             seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
             ledger=training.ledger.record_step, distributed=dist)
-        if privacy.verify and probe_now:
+        if privacy.verify and probe_now and dist.sharded:  # the probe ran on the whole model before fully_shard
+            mark_verified(training.engine)
+        elif privacy.verify and probe_now:
             verify_with_task(training.engine, task, model)
         training.sampler = (training.engine.sampler(plan.steps) if users is None else
                             training.engine.user_sampler(users, privacy.max_examples_per_user, plan.steps))

@@ -48,6 +48,7 @@ class DistributedContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    sharded: bool = False  # FSDP2 (train.sharding=fsdp): each rank owns rows of every parameter (privacy/sharded.py)
 
     @property
     def active(self) -> bool:

@@ -45,6 +45,7 @@ from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names,
                                  find_tracked_modules, unproven_rules)
 from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
+from dptext.privacy.sharded import noise_site, sharded_optimizer, whole_weights
 from dptext.privacy.step_checks import check_trainable_set, parameter_names
 from dptext.privacy.units import LogicalBatchUnits, unit_index
 from dptext.privacy.user_sampler import UserPoissonSampler, make_user_sampler
@@ -79,6 +80,10 @@ class PrivacyEngine:
         _check_choice("clipping_mode", clipping_mode, CLIPPING_MODES)
         _check_choice("clipping_layout", clipping_layout, CLIPPING_LAYOUTS)
         _check_choice("sampling", sampling, SAMPLINGS)
+        if clipping_mode == "ghost" and getattr(distributed, "sharded", False):
+            raise UserError("Ghost clipping's second backward pass goes through FSDP2's gradient reduce-scatter, "
+                            "which dptext does not keep exact yet; use clipping_mode='bookkeeping' (the same "
+                            "clipped sums in one backward pass) with train.sharding=fsdp.")
         if clipping_mode == "ghost" and clipping_layout == "per_layer":
             raise UserError("Ghost clipping's second backward pass applies one factor per example; use "
                             "clipping_mode='bookkeeping' (or per_sample) for per-layer clipping.")
@@ -109,16 +114,20 @@ class PrivacyEngine:
         self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
         self._probe_args: tuple = ()
         self._plan()
-        self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
-                                        self.expected_batch_size, NoiseSource(self.root, secure_rng, self.rank),
-                                        reduce=self.distributed.all_reduce_sum if self.distributed else None,
-                                        adds_noise=self.distributed is None or self.distributed.rank == 0)
+        if self.distributed is not None and self.distributed.sharded:  # FSDP2: each rank noises its own rows
+            self.dp_optimizer = sharded_optimizer(self, optimizer, secure_rng)
+        else:
+            self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
+                                            self.expected_batch_size, NoiseSource(self.root, secure_rng, self.rank),
+                                            reduce=self.distributed.all_reduce_sum if self.distributed else None,
+                                            adds_noise=self.distributed is None or self.distributed.rank == 0)
         self.dp_optimizer.param_names = self.param_names()
 
     def _plan(self) -> None:
         """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
         self.names = _module_names(self.model)
-        self.tracked = find_tracked_modules(self.model, self.clipping_mode)
+        with whole_weights(self.model):  # FSDP2: layers are matched to their rules on the gathered weights
+            self.tracked = find_tracked_modules(self.model, self.clipping_mode)
         self.params = list(dict.fromkeys(module.get_parameter(name) for module, (_, names) in self.tracked.items()
                                          for name in names))
         if not self.params:
@@ -278,7 +287,7 @@ class PrivacyEngine:
             unit = {"unit": "user", "max_examples_per_user": k, "guarantee": f"user-level (ε, δ); clipping unit: one "
                     f"user's sampled examples (at most {k}) summed, sensitivity C; q over users"}
         return {"method": "dp_sgd", **unit, "sensitivity": self.max_grad_norm, "processes": processes,
-                "noise": "N(0, σ²C²) once per step" + (" on rank 0" if processes > 1 else ""),
+                "noise": "N(0, σ²C²) once per step" + (noise_site(self.distributed) if processes > 1 else ""),
                 "sampling": self.sampling, "randomness": randomness_note(self.root), "noise_secret": self.root.secret}
 
     def state_dict(self) -> dict[str, Any]:

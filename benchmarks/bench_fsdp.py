@@ -1,0 +1,166 @@
+"""Per-rank memory and step time of DP training sharded with FSDP2 against unsharded data parallel, on N processes.
+
+    python benchmarks/bench_fsdp.py [--model llama-small|smollm2-135m] [--batch 8 --length 64 --steps 3]
+                                    [--nproc 2] [--out benchmarks/results/bench_fsdp_cpu.json]
+
+One invocation launches two ``torchrun`` jobs of N processes one after the other, the same DP-Adam book-keeping
+steps (σ = 1, C = 1, expected batch ``--batch`` split over the ranks, sequences of ``--length`` tokens) first
+with every rank holding the whole model (``train.sharding: none``), then sharded with ``fully_shard`` per decoder
+layer and at the root (``train.sharding: fsdp``), and writes both and their ratios. Per rank it measures the
+bytes of parameters + gradients + Adam state held after a step (local shards), the peak resident memory sampled
+during the timed steps above the process's memory before the model was built (libraries, process group), and
+the median step time. On CPU the processes share the cores (gloo), so the time
+ratio says what sharding's collectives cost there, not what a GPU gets; on GPUs run it with ``--device cuda``
+(one process per GPU, NCCL; the peak is then torch.cuda.max_memory_allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = {"llama-small": (256, 768, 4, 8192), "llama-medium": (512, 1536, 8, 16384), "smollm2-135m": None}
+
+
+def build_model(name: str):
+    if name == "smollm2-135m":
+        from dptext.models import load_model
+
+        return load_model(name, head="causal_lm")[0]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, intermediate, layers, vocab = MODELS[name]  # random Llamas built in code (~9M, ~36M parameters)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The largest resident set size of this process, sampled every 5 ms while active."""
+
+    def __init__(self):
+        self.peak, self._stop = rss_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def worker(args) -> None:
+    """One rank of one job: a few DP steps on random tokens (public, synthetic), then this rank's numbers."""
+    from dptext.finetune.distributed import current, release
+    from dptext.finetune.sharding import held_bytes, shard_model
+    from dptext.privacy import PrivacyEngine, causal_lm_loss
+
+    ctx = current(args.device)
+    baseline = rss_bytes()  # torch, transformers and the process group, before any model exists
+    ctx.sharded = args.sharding == "fsdp"
+    device = torch.device("cuda", ctx.local_rank) if args.device == "cuda" else torch.device("cpu")
+    model = build_model(args.model).to(device)
+    model.train()
+    ctx.broadcast_parameters(model)
+    if ctx.sharded:
+        shard_model(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0,
+                           expected_batch_size=args.batch, dataset_size=1000, distributed=ctx, seed=0)
+    local = args.batch // ctx.world_size
+    generator = torch.Generator().manual_seed(ctx.rank)
+    ids = torch.randint(1, model.config.vocab_size, (local, args.length), generator=generator).to(device)
+    mask = torch.ones_like(ids)
+
+    def step() -> float:
+        start = time.perf_counter()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        engine.accumulate(causal_lm_loss(logits, ids, mask))
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    step()  # warm-up: optimizer state allocated, first-call costs paid
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with PeakRss() as rss:
+        times = sorted(step() for _ in range(args.steps))
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else rss.peak - baseline
+    held = held_bytes(model, optimizer)
+    numbers = ctx.gather({"rank": ctx.rank, "state_bytes": held, "peak_bytes": peak,
+                          "step_seconds": times[len(times) // 2]})
+    if ctx.rank == 0:
+        Path(args.worker_out).write_text(json.dumps(numbers))
+    release()
+
+
+def launch(args, sharding: str, out: Path) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+               __file__, "--worker-out", str(out), "--sharding", sharding, "--model", args.model,
+               "--batch", str(args.batch), "--length", str(args.length), "--steps", str(args.steps),
+               "--device", args.device]
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.read_text())
+
+
+def summary(ranks: list[dict]) -> dict:
+    return {"state_mib_per_rank": max(r["state_bytes"] for r in ranks) / 2**20,
+            "peak_mib_per_rank": max(r["peak_bytes"] for r in ranks) / 2**20,
+            "step_seconds": max(r["step_seconds"] for r in ranks), "ranks": ranks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=MODELS, default="llama-small")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_fsdp_cpu.json"))
+    parser.add_argument("--worker-out")
+    parser.add_argument("--sharding", choices=("none", "fsdp"))
+    args = parser.parse_args()
+    if args.worker_out:
+        worker(args)
+        return
+    load = os.getloadavg()[0]
+    scratch = Path(args.out).with_suffix(".part")
+    unsharded = summary(launch(args, "none", scratch))
+    sharded = summary(launch(args, "fsdp", scratch))
+    scratch.unlink()
+    result = {"model": args.model, "batch": args.batch, "length": args.length, "steps": args.steps,
+              "processes": args.nproc, "device": args.device, "clipping_mode": "bookkeeping", "optimizer": "adam",
+              "load_average_at_start": load, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "unsharded": unsharded, "fsdp": sharded,
+              "ratios_fsdp_over_unsharded": {key: sharded[key] / unsharded[key] for key in
+                                             ("state_mib_per_rank", "peak_mib_per_rank", "step_seconds")}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("unsharded", "fsdp")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The DP step when the model is sharded with FSDP2 (``train.sharding: fsdp``; docs/sharding.md).
+
+What changes against ``dptext.privacy.distributed`` (every rank holds the whole model):
+
+* **Clipping is unchanged.** FSDP2 all-gathers each block's weights before its forward and backward, so the
+  engine's hooks see the full activations and output gradients of the local examples; the per-example norms of
+  every layer (tied weights included) and the clipped sums (c ⊙ g)ᵀa are computed on each rank for its own
+  examples exactly as in one process. The clipped sums are full-sized tensors until the step.
+* **Reduce-scatter instead of all-reduce.** At the step each rank receives the sum over the ranks of the rows of
+  every parameter it owns (FSDP2's Shard(0) layout), one flat ``reduce_scatter_tensor``.
+* **Noise once per coordinate, each rank noising its own shard.** The noise of coordinate j of parameter P at
+  step t is drawn from a generator seeded by (noise key, t, P's name, the block of 2¹⁶ coordinates holding j) and
+  never from anything a rank chooses, so a coordinate's value is the same whichever rank owns it and however many
+  ranks there are: the shards partition the coordinates, every coordinate is drawn exactly once, and the noise
+  of a sharded run equals the noise of one process with the same key (tested). The key is rank 0's, broadcast
+  over the process group at start; it sits in checkpoints as the generators' states do today.
+  Trust: each rank must run this code honestly for its own shard (a rank that skipped its noise would leave its
+  coordinates un-noised). FSDP2 already trusts every rank with the only copy of its shard of the weights and
+  optimizer state, so this adds no new party; one rank noising the whole model would need the whole model's
+  gradient on that rank, which is what sharding avoids.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dptext.privacy.optimizer import DPOptimizer
+from dptext.privacy.randomness import RandomRoot
+
+BLOCK = 1 << 16  # coordinates per noise block: a block's generator is seeded once per step
+SHARDED_STREAM = 1 << 20  # the noise child's stream for sharded noise, apart from the per-device streams
+
+
+def is_sharded(param: Tensor) -> bool:
+    return hasattr(param, "device_mesh") and hasattr(param, "to_local")
+
+
+def local_rows(param: Tensor, rank: int, world_size: int) -> tuple[int, int]:
+    """(first row, row count) of ``param``'s dim-0 shard on ``rank``: FSDP2 gives each rank ⌈d/N⌉ rows, the last
+    ones fewer (possibly none)."""
+    rows = param.shape[0] if param.ndim else 1
+    per_rank = -(-rows // world_size)
+    first = min(rank * per_rank, rows)
+    return first, min(per_rank, rows - first)
+
+
+class ShardedNoise:
+    """N(0, std²) for any range of a parameter's flattened coordinates, a function of (key, step, name, index)."""
+
+    def __init__(self, root: RandomRoot, secure: bool = False):
+        self.secure = secure
+        self.key = int(root.child("noise", stream=SHARDED_STREAM).generate_state(4, np.uint32).view(np.uint64)[0])
+        self.step = 0
+        self._step_key = self.key
+
+    def share_key(self, broadcast) -> None:
+        """Every rank takes rank 0's key (``broadcast``: rank 0's value on every rank), so the noise is one field."""
+        self.key = int(broadcast(self.key))
+
+    def reseed_if_secure(self) -> None:
+        """Per step: the run's key, or with secure_rng 64 fresh bits from the OS (then each rank draws its own shard
+        from its own fresh key: still one draw per coordinate)."""
+        self._step_key = int.from_bytes(os.urandom(8), "little") if self.secure else self.key
+
+    def block_seed(self, name: str, block: int) -> int:
+        sequence = np.random.SeedSequence(self._step_key, spawn_key=(self.step, zlib.crc32(name.encode()), block))
+        words = sequence.generate_state(2, np.uint32)
+        return (int(words[0]) | (int(words[1]) << 32)) & ((1 << 63) - 1)
+
+    def normal(self, std: float, name: str, size: int, start: int, count: int, device: torch.device) -> Tensor:
+        """The noise of flat coordinates [start, start + count) of parameter ``name`` (``size`` coordinates in all)
+        at the current step. Each block is drawn whole, whatever part of it is asked for: torch's normal_ treats
+        a tensor's last 16 values differently, so a value depends on the length of the tensor drawn."""
+        out = torch.empty(count, dtype=torch.float32, device=device)
+        position = start
+        while position < start + count:
+            block = position // BLOCK
+            lo, hi = block * BLOCK, min((block + 1) * BLOCK, size)
+            generator = torch.Generator(device=device).manual_seed(self.block_seed(name, block))
+            values = torch.empty(hi - lo, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+            end = min(hi, start + count)
+            out[position - start:end - start] = values[position - lo:end - lo]
+            position = end
+        return out
+
+    def state_dict(self) -> dict:
+        return {"sharded_key": self.key, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.key, self.step = int(state["sharded_key"]), int(state["step"])
+
+
+class ShardedDPOptimizer(DPOptimizer):
+    """``DPOptimizer`` for FSDP2-sharded parameters: reduce-scatter of the clipped sums, noise on each rank's own
+    rows, the result set as each parameter's sharded gradient."""
+
+    def __init__(self, *args, rank: int, world_size: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rank, self.world_size = rank, world_size
+
+    def _reduce_scatter(self) -> dict[nn.Parameter, Tensor]:
+        """Each parameter's own rows of Σ_ranks (clipped sums), in fp32; consumes the accumulated sums one by one
+        into one send buffer (rank r's rows of every parameter side by side), so one model-sized copy at a time."""
+        layout, width = [], 0
+        for param in self.params:
+            rows = param.shape[0] if param.ndim else 1
+            per_rank = -(-rows // self.world_size)
+            layout.append((param, rows, per_rank, param.numel() // max(rows, 1)))
+            width += per_rank * layout[-1][3]
+        device = self.params[0].to_local().device
+        send = torch.zeros(self.world_size, width, dtype=torch.float32, device=device)
+        offset = 0
+        for param, rows, per_rank, row_size in layout:
+            total = self.summed.pop(param, None)
+            if total is not None:  # rows beyond the parameter's end stay zero (FSDP2 pads the last shard)
+                slots = send[:, offset:offset + per_rank * row_size].unflatten(1, (per_rank, row_size))
+                total = total.reshape(rows, row_size)
+                for rank in range(self.world_size):
+                    first, count = local_rows(param, rank, self.world_size)
+                    slots[rank, :count].copy_(total[first:first + count])
+            del total
+            offset += per_rank * row_size
+        mine = send.new_empty(width)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+        scatter(mine, send.view(-1), op=dist.ReduceOp.SUM)
+        del send
+        out, offset = {}, 0
+        for param, rows, per_rank, row_size in layout:
+            _, count = local_rows(param, self.rank, self.world_size)
+            out[param] = mine[offset:offset + count * row_size].view(param.to_local().shape)
+            offset += per_rank * row_size
+        return out
+
+    def privatized_grads(self) -> dict[nn.Parameter, Tensor]:
+        """(this rank's rows of Σ_ranks Σ_i ḡ_i + its own rows of N(0, σ²C²)) / B, as local fp32 tensors."""
+        self.noise.reseed_if_secure()
+        std = self.noise_multiplier * self.max_grad_norm
+        grads = self._reduce_scatter()
+        for param, local in grads.items():
+            if std > 0 and local.numel():
+                first, _ = local_rows(param, self.rank, self.world_size)
+                width = local.numel() // max(1, local.shape[0]) if local.ndim else 1
+                noise = self.noise.normal(std, self.param_names.get(param, "?"), param.numel(), first * width,
+                                          local.numel(), local.device)
+                local.add_(noise.view_as(local))
+            local.div_(self.expected_batch_size)
+        self.noise.step += 1
+        self.zero_grad()
+        return grads
+
+    def step(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.check_owned()
+        for param, local in self.privatized_grads().items():
+            param.grad = DTensor.from_local(local.to(param.dtype), param.device_mesh, param.placements,
+                                            shape=param.shape, stride=param.stride())
+        self.optimizer.step()
+        for param in self.params:
+            param.grad = None
+
+
+def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool) -> ShardedDPOptimizer:
+    """The engine's DP optimizer over FSDP2-sharded parameters, its noise key shared from rank 0."""
+    unsharded = [name for param, name in engine.param_names().items() if param in set(engine.params)
+                 and not is_sharded(param)]
+    if unsharded:
+        raise ValueError(f"parameter '{unsharded[0]}' is not sharded; build the engine after fully_shard")
+    noise = ShardedNoise(engine.root, secure_rng)
+    noise.share_key(engine.distributed.broadcast)
+    context = engine.distributed
+    return ShardedDPOptimizer(optimizer, engine.params, engine.noise_multiplier, engine.max_grad_norm,
+                              engine.expected_batch_size, noise, rank=context.rank, world_size=context.world_size)
+
+
+def noise_site(context) -> str:
+    return ", each rank drawing its own shard's coordinates once" if context.sharded else " on rank 0"
+
+
+@contextmanager
+def whole_weights(model: nn.Module):
+    """Every FSDP2 module of ``model`` holding its gathered weights (all ranks enter it together): a rule that
+    checks a layer numerically (RMSNorm's structural match) runs the layer, which a sharded weight cannot."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()

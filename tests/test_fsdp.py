@@ -1,0 +1,287 @@
+"""FSDP2-sharded DP training: 2 gloo processes on CPU against the single-process engine (docs/sharding.md).
+
+The engine-level checks run once in two worker processes (this file run as a script with torchrun's environment)
+on a tiny fp64 transformer-like model with a tied embedding, sharded with ``fully_shard`` per block and at the
+root, and are compared here with single-process twins: (a) the update of one noise-free step (SGD, lr 1: the
+clipped sum / B) equals the single-process one for book-keeping, per_sample and per-layer clipping; (b) a
+noise-only step gives every coordinate exactly the noise of one process with the same key — each coordinate drawn
+once, by the rank that owns it — with std σ·C; (c) per-rank parameter + gradient + Adam-state bytes are about
+half of the unsharded ones; (d) a rank with no examples joins with empty passes and changes nothing; (e) the
+non-private gradient is the mean over every rank's examples; (f) ghost
+clipping is refused before any data is touched.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from two_ranks import run_two_ranks
+
+N, C, VOCAB, WIDTH = 12, 0.5, 11, 6
+CASES = (("bookkeeping", "all_layer"), ("per_sample", "all_layer"), ("bookkeeping", "per_layer"))
+SIGMA, NOISE_C, NOISE_SEED = 1.3, 0.7, 5
+TIMEOUT = 240
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, hidden):
+        return self.norm(hidden + torch.tanh(self.fc(hidden)))
+
+
+class TinyLM(nn.Module):
+    """Embedding, two blocks, an LM head tied to the embedding (its clipping needs both uses' cross terms)."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList([Block(width), Block(width)])
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden)
+
+
+def tiny_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyLM().double()
+
+
+def token_ids():
+    return torch.randint(0, VOCAB, (N, 5), generator=torch.Generator().manual_seed(1))
+
+
+def losses(model, ids):
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1),
+                                       reduction="none").view(ids.shape[0], -1).sum(dim=1)
+
+
+def shard(model, ctx, blocks=None):
+    from dptext.finetune.sharding import shard_model
+
+    if ctx is not None:
+        shard_model(model, list(model.blocks) if blocks is None else blocks)
+    return model
+
+
+def full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def dp_update(mode: str, layout: str, ctx=None, indices=None):
+    """-(the clipped sum of ``indices`` on every rank) / B: one noise-free SGD step with lr 1, gathered."""
+    from dptext.privacy import PrivacyEngine
+
+    model = shard(tiny_lm(), ctx)
+    before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode,
+                           clipping_layout=layout, distributed=ctx)
+    ids = token_ids()
+    engine.accumulate(losses(model, ids[list(range(N)) if indices is None else indices]))
+    engine.step()
+    return {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
+
+
+class TokenTask:
+    """The two task methods the loop's empty pass uses, for ``token_ids`` batches."""
+
+    def probe_batch(self, model, generator, batch_size, seq_len):
+        return {"input_ids": torch.randint(0, VOCAB, (batch_size, seq_len), generator=generator)}
+
+    def per_example_loss(self, model, batch):
+        return losses(model, batch["input_ids"])
+
+
+def uneven_update(ctx):
+    """Rank 0 holds every example (3 micro-batches), rank 1 none: it joins the collectives with empty passes."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from dptext.finetune.sharding import empty_pass, same_count_on_every_rank
+    from dptext.privacy import PrivacyEngine
+
+    model = shard(tiny_lm(), ctx)
+    before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, distributed=ctx)
+    ids = token_ids()
+    training = SimpleNamespace(dist=ctx, engine=engine, model=model, task=TokenTask(), device=torch.device("cpu"))
+    mine = list(range(N)) if ctx.rank == 0 else []
+    chunks = same_count_on_every_rank(training, [mine[i:i + 4] for i in range(0, len(mine), 4)])
+    for chunk in chunks:
+        if chunk:
+            engine.accumulate(losses(model, ids[chunk]))
+        else:
+            empty_pass(training, nullcontext())
+    engine.step()
+    return len(chunks), {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
+
+
+def noise_step(ctx=None):
+    """The parameter moves of one noise-only step (SGD, lr 1) of a model with 2 × 300 × 301 + 2 coordinates."""
+    from dptext.privacy import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(301, 300), nn.Linear(300, 301))
+    shard(model, ctx, blocks=list(model))
+    before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=SIGMA,
+                           max_grad_norm=NOISE_C, expected_batch_size=10, dataset_size=100, seed=NOISE_SEED,
+                           distributed=ctx)
+    engine.step()
+    return {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
+
+
+def adam_bytes(ctx=None) -> int:
+    from dptext.finetune.sharding import held_bytes
+    from dptext.privacy import PrivacyEngine
+
+    model = shard(tiny_lm(), ctx)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=C, expected_batch_size=N,
+                           dataset_size=N, distributed=ctx)
+    engine.accumulate(losses(model, token_ids()[:2]))
+    engine.step()
+    return held_bytes(model, optimizer)
+
+
+def ghost_refusal(ctx) -> str:
+    from dptext.errors import UserError
+    from dptext.privacy import PrivacyEngine
+
+    model = shard(tiny_lm(), ctx)
+    try:
+        PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0, max_grad_norm=C,
+                      expected_batch_size=N, dataset_size=N, clipping_mode="ghost", distributed=ctx)
+    except UserError as error:
+        return str(error)
+    return ""
+
+
+def non_private_mean(ctx, mine):
+    """The non-private baseline's gradient: FSDP2's reduce-scatter, then ``average_gradients`` (gathered)."""
+    model = shard(tiny_lm(), ctx)
+    losses(model, token_ids()[mine]).sum().backward()
+    ctx.average_gradients(list(model.parameters()), len(mine))
+    return {name: full(p.grad) for name, p in model.named_parameters()}
+
+
+def worker(out: Path) -> None:
+    """One rank of the 2-process checks (this file run as a script with torchrun's environment)."""
+    from dptext.finetune.distributed import current, release
+
+    ctx = current("cpu")
+    ctx.sharded = True
+    mine = ctx.shard(N)
+    results = {
+        "updates": {case: dp_update(*case, ctx, mine) for case in CASES},
+        "noise": noise_step(ctx),
+        "bytes": adam_bytes(ctx),
+        "ghost": ghost_refusal(ctx),
+        "non_private": non_private_mean(ctx, mine),
+        "uneven": uneven_update(ctx),
+    }
+    torch.save(results, out / f"rank{ctx.rank}.pt")
+    release()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_two_ranks(__file__, tmp_path_factory.mktemp("ranks"), TIMEOUT)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(case) for case in CASES])
+def test_sharded_clipped_sum_equals_single_process(two_ranks, case):
+    single = dp_update(*case)
+    unclipped = tiny_lm()
+    (losses(unclipped, token_ids()).sum() / N).backward()
+    raw = {name: -p.grad for name, p in unclipped.named_parameters()}
+    assert any(not torch.allclose(single[k], raw[k], atol=1e-4) for k in raw), "clipping never active"
+    for rank in two_ranks:
+        got = rank["updates"][case]
+        assert sorted(got) == sorted(single)
+        for name in single:
+            assert torch.allclose(got[name], single[name], atol=1e-6, rtol=1e-5), \
+                f"{case} {name}: off by {(got[name] - single[name]).abs().max():.3g}"
+
+
+def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ranks):
+    single = dp_update("bookkeeping", "all_layer")
+    for rank in two_ranks:
+        count, got = rank["uneven"]
+        assert count == 3  # rank 1 ran 3 empty passes (a missing one would hang FSDP2's collectives)
+        for name in single:
+            assert torch.allclose(got[name], single[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_each_coordinate_is_noised_once_with_std_sigma_c(two_ranks):
+    from dptext.privacy.randomness import RandomRoot
+    from dptext.privacy.sharded import ShardedNoise
+
+    noise = ShardedNoise(RandomRoot(NOISE_SEED))  # what one process with the same key draws, coordinate by coordinate
+    noise.reseed_if_secure()
+    for rank in two_ranks:
+        for name, move in rank["noise"].items():
+            expected = -noise.normal(SIGMA * NOISE_C, name, move.numel(), 0, move.numel(), torch.device("cpu")) / 10
+            # every coordinate: once (twice would double it, never would leave 0), and the same draw whoever owns it
+            off = (move.flatten() - expected).abs()
+            assert off.max() < 1e-6, f"{name}: {int((off > 1e-6).sum())} coordinates off, first {int(off.argmax())}"
+    weight = two_ranks[0]["noise"]["0.weight"] * 10  # the noise of the summed gradient, 90k coordinates
+    assert weight.std().item() == pytest.approx(SIGMA * NOISE_C, rel=0.02)  # std error ≈ 0.24%: 8 of them
+    assert abs(weight.mean().item()) < 0.02
+
+
+def test_noise_blocks_do_not_repeat_across_parameters_steps_or_blocks():
+    from dptext.privacy.randomness import RandomRoot
+    from dptext.privacy.sharded import BLOCK, ShardedNoise
+
+    noise = ShardedNoise(RandomRoot(1))
+    noise.reseed_if_secure()
+    cpu = torch.device("cpu")
+    draws = [noise.normal(1.0, "a", 2 * BLOCK, 0, 2 * BLOCK, cpu), noise.normal(1.0, "b", BLOCK, 0, BLOCK, cpu)]
+    noise.step += 1
+    draws.append(noise.normal(1.0, "a", 2 * BLOCK, 0, 2 * BLOCK, cpu))
+    pieces = [draws[0][:BLOCK], draws[0][BLOCK:], draws[1], draws[2][:BLOCK]]
+    for i in range(len(pieces)):
+        for j in range(i + 1, len(pieces)):
+            assert abs(torch.corrcoef(torch.stack([pieces[i], pieces[j]]))[0, 1]) < 0.02, (i, j)
+    # any range (inside a block, across a block boundary, at the end) is the same draw as the whole parameter's
+    for start, count in ((100, 50), (BLOCK - 7, 20), (2 * BLOCK - 9, 9)):
+        assert torch.equal(noise.normal(1.0, "a", 2 * BLOCK, start, count, cpu), draws[2][start:start + count])
+
+
+def test_sharded_parameter_gradient_and_adam_bytes_are_about_half(two_ranks):
+    unsharded = adam_bytes()
+    for rank in two_ranks:
+        assert rank["bytes"] <= 0.6 * unsharded, (rank["bytes"], unsharded)
+
+
+def test_non_private_sharded_gradient_is_the_mean_over_every_rank(two_ranks):
+    model = tiny_lm()
+    (losses(model, token_ids()).sum() / N).backward()
+    for rank in two_ranks:
+        for name, param in model.named_parameters():
+            assert torch.allclose(rank["non_private"][name], param.grad, atol=1e-10), name
+
+
+def test_ghost_clipping_is_refused_with_sharding(two_ranks):
+    for rank in two_ranks:
+        assert "use clipping_mode='bookkeeping'" in rank["ghost"]
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

@@ -1,0 +1,35 @@
+"""Launch a test file as 2 gloo processes with torchrun's environment (rank r runs ``python FILE OUT``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_two_ranks(script: str, out: Path, timeout: float) -> list:
+    """Run ``script`` as ranks 0 and 1 (a hang fails instead of blocking CI); each saves ``out/rank{r}.pt``."""
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, script, str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
