@@ -118,7 +118,7 @@ def rewrite_readme(readme: Path, rows: list[dict], source: Path) -> None:
         shown = source.resolve().relative_to(ROOT)
     except ValueError:
         shown = source
-    caveat = " (a slice measured while the machine was shared: read the load column)" if "contended" in source.name \
+    caveat = " (measured while the machine was shared: read the load column)" if "contended" in source.name \
         else ""
     block = f"{BEGIN}\nFrom `{shown}`{caveat}:\n\n{render_table(rows)}\n"
     readme.write_text(text[:start] + block + text[end:])
