@@ -74,7 +74,10 @@ def train_step(training: Any, sampled: Any) -> tuple[float | None, int]:
             with _autocast(training):
                 losses = training.task.per_example_loss(training.model, batch)
             if training.private:
-                training.engine.accumulate(losses, units=None if owners is None else torch.tensor(owners))
+                if owners is None:  # (eDP-SGD's engine takes no units)
+                    training.engine.accumulate(losses)
+                else:
+                    training.engine.accumulate(losses, units=torch.tensor(owners))
             elif distributed:  # summed here, averaged over every rank's examples below
                 losses.float().sum().backward()
             else:  # non-private baseline: the mean over the realised batch, as ordinary training does
