@@ -16,7 +16,7 @@ from dptext.errors import UserError
 
 def audit_section(**overrides):
     values = dict(canaries=2, canary_repetitions=[1, 10], canary_prefix="the secret code is", canary_words=3,
-                  canary_vocabulary=10, seed=0)
+                  canary_vocabulary=10, seed=0, canary_unit="example")
     return SimpleNamespace(**{**values, **overrides})
 
 

@@ -51,7 +51,8 @@ def test_lira_offline_is_a_z_score_against_the_out_gaussian():
 
 def recipe(**audit):
     values = dict(holdout_fraction=0.0, holdout_examples=None, public_examples=0, seed=0, train_indices=[],
-                  canaries=0, canary_repetitions=[1, 10], canary_prefix="p", canary_words=2, canary_vocabulary=10)
+                  canaries=0, canary_repetitions=[1, 10], canary_prefix="p", canary_words=2, canary_vocabulary=10,
+                  canary_unit="example")
     return SimpleNamespace(audit=SimpleNamespace(**{**values, **audit}),
                            task=SimpleNamespace(type="table_to_text", control_codes=[]))
 

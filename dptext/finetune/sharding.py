@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from dptext.errors import UserError
+from dptext.finetune.task_probe import verify_with_task
+from dptext.privacy import PrivacyEngine
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -78,9 +80,6 @@ def prove_then_shard(training_recipe: Any, task: Any, model: nn.Module, device: 
     """The start-up probe on the whole model (brute-force per-example autograd needs unsharded parameters), then
     ``fully_shard``. The probe checks the rules of each layer on this model; sharding changes where the weights
     live between passes, not what the hooks record (FSDP2 all-gathers them for every pass; tests/test_fsdp.py)."""
-    from dptext.finetune.task_probe import verify_with_task
-    from dptext.privacy import PrivacyEngine
-
     privacy = training_recipe.privacy
     if privacy.enabled and privacy.verify:
         trained = [p for p in model.parameters() if p.requires_grad]
