@@ -80,7 +80,10 @@ def test_missing_local_folder_is_a_user_error(tmp_path):
 
 
 def test_unreachable_hub_name_is_a_user_error(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # fail fast instead of retrying the network
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # fail fast instead of retrying the network: the variable is read
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # at import, so set the constant too
     with pytest.raises(UserError, match="offline alias"):
         models.load_tokenizer("gpt2-this-model-does-not-exist")
 
