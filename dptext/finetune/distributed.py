@@ -104,6 +104,9 @@ class ProcessGroup(DistributedContext):
     def close(self) -> None:
         if self.started_here:
             if dist.is_initialized():
+                # Every rank waits for the others before tearing down: a rank that destroyed its group while a
+                # peer still had gloo traffic in flight (rank 0 gathering the full weights) aborted at exit.
+                dist.barrier()
                 dist.destroy_process_group()
             self.started_here = False
 
