@@ -26,12 +26,13 @@ RESULTS = HERE / "results" / "user_level.json"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- user-level:begin (benchmarks/user_level.py) -->", "<!-- user-level:end -->"
 AMAZON = "data.path={data}/amazon_multidomain_sentiment"
+CHECKPOINTS = "train.checkpoint_every=10"  # a stopped machine loses at most 10 steps (the queue resumes)
 # setting: (job name = run folder under RUNS, recipe, overrides)
 JOBS = {
-    "user-level ε = 8": ("user-level/user", "recipes/amazon-user-level.yaml", [AMAZON]),
-    "example-level ε = 8": ("user-level/example", "recipes/amazon-example-level.yaml", [AMAZON]),
+    "user-level ε = 8": ("user-level/user", "recipes/amazon-user-level.yaml", [AMAZON, CHECKPOINTS]),
+    "example-level ε = 8": ("user-level/example", "recipes/amazon-example-level.yaml", [AMAZON, CHECKPOINTS]),
     "non-private": ("user-level/nonprivate", "recipes/amazon-example-level.yaml",
-                    [AMAZON, "privacy.enabled=false", "name=amazon-nonprivate"]),
+                    [AMAZON, CHECKPOINTS, "privacy.enabled=false", "name=amazon-nonprivate"]),
 }
 
 
