@@ -72,7 +72,7 @@ def measure_cell(model: str, seq_len: int, batch_size: int, steps: int, warmup: 
                "steps": steps * rounds}
     return [{"model": model, "seq_len": seq_len, "batch_size": batch_size, "mode": r["mode"], "status": r["status"],
              "time_s": r.get("step_s"), "peak_mb": r.get("peak_mb"), "time_ratio": r.get("time_ratio"),
-             "memory_ratio": r.get("memory_ratio"), **context} for r in results]
+             "memory_ratio": r.get("memory_ratio"), "noise_s": r.get("noise_s"), **context} for r in results]
 
 
 def run_grid(path: Path, models, seq_lens, batch_sizes, steps: int, warmup: int, rounds: int, say=print) -> list[dict]:
@@ -96,13 +96,15 @@ def _ratio(row: dict, key: str) -> str:
 
 def render_table(rows: list[dict]) -> str:
     """Markdown: one line per cell and mode, time and peak RSS with their ratios to non-private."""
-    lines = ["| model | T | B | mode | step time (s) | × non-private | peak RSS (MB) | × non-private | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | T | B | mode | step time (s) | × non-private | of which noise (s) | peak RSS (MB) "
+             "| × non-private | load |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["model"], r["batch_size"], r["seq_len"])):
         if r["status"] != "ok":
-            cells = [r["status"][:80], "", "", ""]
+            cells = [r["status"][:80], "", "", "", ""]
         else:
-            cells = [f"{r['time_s']:.2f}", _ratio(r, "time_ratio"), f"{r['peak_mb']:.0f}", _ratio(r, "memory_ratio")]
+            noise = "—" if r.get("noise_s") is None else f"{r['noise_s']:.3f}"
+            cells = [f"{r['time_s']:.2f}", _ratio(r, "time_ratio"), noise, f"{r['peak_mb']:.0f}",
+                     _ratio(r, "memory_ratio")]
         load = "–".join(f"{value:.1f}" for value in r.get("load_average", []))
         lines.append("| " + " | ".join([r["model"], str(r["seq_len"]), str(r["batch_size"]),
                                         LABELS.get(r["mode"], r["mode"]), *cells, load]) + " |")

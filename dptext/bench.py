@@ -64,6 +64,9 @@ def merge_rounds(rounds: list[dict]) -> dict:
         return failed
     merged = dict(rounds[0], times_s=[t for r in rounds for t in r["times_s"]])
     merged["step_s"] = statistics.median(merged["times_s"])
+    if all("noise_times_s" in r for r in rounds):
+        merged["noise_times_s"] = [t for r in rounds for t in r["noise_times_s"]]
+        merged["noise_s"] = statistics.median(merged["noise_times_s"])
     for key in ("peak_mb", "step_mb", "max_batch"):
         values = [r[key] for r in rounds if key in r]
         if values:

@@ -62,12 +62,30 @@ def _make_step(mode: str, model, batch_size: int):
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
         engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0,
                                expected_batch_size=batch_size, dataset_size=100 * batch_size, clipping_mode=mode)
+        noise_seconds = _time_noise(engine)
 
         def step(ids, mask):
             engine.step(_losses(model, ids, mask))
 
+        step.noise_seconds = noise_seconds
         return step, engine.detach
     return _opacus_step(model, batch_size)
+
+
+def _time_noise(engine) -> list[float]:
+    """Seconds spent drawing the Gaussian noise, appended per call: one draw per coordinate per step is a cost
+    every DP-SGD pays whatever its clipping, so the grid reports it beside the step time."""
+    noise, seconds = engine.dp_optimizer.noise, []
+    draw = noise.normals
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        drawn = draw(*args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        return drawn
+
+    noise.normals = timed
+    return seconds
 
 
 def _opacus_step(model, batch_size: int):
@@ -164,18 +182,23 @@ def measure(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         step, close = _make_step(spec["mode"], model, spec["batch_size"])
-        times = []
+        times, noise_times = [], []
+        drawn = getattr(step, "noise_seconds", None)
         with autocast:
             for i in range(spec["warmup"] + spec["steps"]):
-                start = time.perf_counter()
+                start, noise_before = time.perf_counter(), sum(drawn or ())
                 step(ids, mask)
                 _synchronize(device)
                 if i >= spec["warmup"]:
                     times.append(time.perf_counter() - start)
+                    if drawn is not None:
+                        noise_times.append(sum(drawn) - noise_before)
         close()
     except Exception as exc:  # an unsupported model or mode is a result, not a crash of the benchmark
         return {"mode": spec["mode"], "status": f"unsupported: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
     result = {"mode": spec["mode"], "status": "ok", "step_s": statistics.median(times), "times_s": times}
+    if noise_times:
+        result.update(noise_s=statistics.median(noise_times), noise_times_s=noise_times)
     if device.type == "cuda":
         result["peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         if spec["max_batch"]:

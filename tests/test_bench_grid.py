@@ -50,7 +50,9 @@ def test_table_shows_ratios_machine_and_load(tmp_path):
     rows = _fake_cell([])("smollm2-135m", 64, 8, 1, 0, 1)
     rows.append(dict(rows[0], mode="opacus_untied", status="unsupported: tied weights", time_ratio=None))
     table = grid.render_table(rows)
-    assert "| smollm2-135m | 64 | 8 | book-keeping | 2.50 | 1.25× | 125 | 1.25× | 0.5–0.7 |" in table
+    assert "| smollm2-135m | 64 | 8 | book-keeping | 2.50 | 1.25× | — | 125 | 1.25× | 0.5–0.7 |" in table
+    rows[1]["noise_s"] = 0.0312
+    assert "| book-keeping | 2.50 | 1.25× | 0.031 | 125 |" in grid.render_table(rows)
     assert "unsupported: tied weights" in table and "test cpu, 2026-11-23, commit abc" in table
 
 

@@ -33,6 +33,8 @@ def test_bench_memory_cli_on_tiny_gpt2(tmp_path):
     assert rows["nonprivate"]["time_ratio"] == 1.0
     assert rows["bookkeeping"]["status"] == "ok" and rows["bookkeeping"]["peak_mb"] > 0
     assert rows["bookkeeping"]["time_ratio"] > 0 and rows["bookkeeping"]["memory_ratio"] > 0
+    # the Gaussian noise is timed inside the step (one draw per coordinate), never longer than the step
+    assert 0 < rows["bookkeeping"]["noise_s"] < rows["bookkeeping"]["step_s"] and "noise_s" not in rows["nonprivate"]
     if "opacus" in rows and not rows["opacus"]["status"].startswith("failed"):
         assert rows["opacus"]["status"].startswith(("ok", "unsupported"))
     assert report["setup"]["seq_len"] == 8 and "CPU cores" in report["setup"]["machine"]
