@@ -46,3 +46,18 @@ def test_unknown_mode_is_one_sentence_error():
     proc = subprocess.run([sys.executable, "-m", "dptext", "bench-memory", "tiny-gpt2", "--modes", "fast"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Unknown mode(s) fast" in proc.stderr
+
+
+def test_a_run_where_every_mode_failed_exits_non_zero_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from dptext import bench
+    from dptext.cli.app import main
+
+    failed = [{"mode": mode, "status": "failed: RuntimeError: out of memory"} for mode in ("nonprivate", "ghost")]
+    monkeypatch.setattr(bench, "run", lambda *args, **kwargs: {
+        "setup": {"model": "tiny-gpt2", "seq_len": 8, "batch_size": 2, "device": "cpu", "precision": "fp32",
+                  "steps": 1, "rounds": 1, "machine": "test"}, "results": failed})
+    monkeypatch.delenv("DPTEXT_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench-memory", "tiny-gpt2", "--modes", "nonprivate,ghost", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and "No mode could be measured (nonprivate: failed: RuntimeError" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -67,10 +67,16 @@ def bench_memory(
     title = (f"{setup['model']}, T={setup['seq_len']}, batch {setup['batch_size']}, {setup['device']} "
              f"({setup['precision']}), median of {setup['steps'] * setup['rounds']} steps: {setup['machine']}")
     output.table(title, columns, rows)
+    measured = [r for r in report["results"] if r["status"] == "ok"]
+    if not measured:  # a benchmark with no number is a failure, not a result to file
+        raise UserError(f"No mode could be measured ({report['results'][0]['mode']}: "
+                        f"{report['results'][0]['status']}); fix that error and run bench-memory again.")
     atomic_write_json(out_dir / "bench.json", report)
+    written = [out_dir / "bench.json"]
     if any("time_ratio" in r for r in report["results"]):
         bench.write_chart(report, out_dir / "bench.png")
-    output.info(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
+        written.append(out_dir / "bench.png")
+    output.info("wrote " + " and ".join(str(path) for path in written))
     output.result(report)
 
 
