@@ -7,6 +7,7 @@ instantiated. The forward hook keeps x̂ (recomputed in fp32 from the input) ins
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from dptext.privacy.norms.instantiated import clipped_sum_of, norm_sq_of
 from dptext.privacy.norms.registry import register_rule
@@ -21,11 +22,9 @@ def sum_over_positions(x: Tensor, normalized_ndim: int) -> Tensor:
 @register_rule(nn.LayerNorm)
 class LayerNormRule:
     def keep(self, module: nn.LayerNorm, inputs: tuple) -> Tensor:
-        x = inputs[0].float()
-        dims = tuple(range(x.ndim - len(module.normalized_shape), x.ndim))
-        mean = x.mean(dim=dims, keepdim=True)
-        variance = x.var(dim=dims, keepdim=True, unbiased=False)
-        return (x - mean) * (variance + module.eps).rsqrt()
+        # layer_norm without weight and bias is x̂ itself: one fused kernel, ~8× faster on CPU than mean, var,
+        # subtract and scale written out (measured, B=8, T=128, d=384), and the same biased variance
+        return F.layer_norm(inputs[0].float(), module.normalized_shape, None, None, module.eps)
 
     def per_example(self, module, names, normalized, grad_output) -> dict[str, Tensor]:
         normalized_ndim = len(module.normalized_shape)
