@@ -189,8 +189,8 @@ def save_weights(training: Any, checkpoints: Path, step: int) -> str:
 
 
 def load_weights(training: Any, checkpoints: Path, name: str) -> None:
-    """Every rank reads its shards of the model and optimizer back (``save_weights``). Known open bug: a resumed
-    run does not yet end with the straight run's weights (tests/test_fsdp_run.py, xfail)."""
+    """Every rank reads its shards of the model and optimizer back (``save_weights``); the resumed run then
+    continues with the straight run's weights, Adam moments and step counts (tests/test_fsdp_checkpoint.py)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
@@ -212,9 +212,10 @@ def load_weights(training: Any, checkpoints: Path, name: str) -> None:
     with all_requiring_grad(training.optimizer):
         state = {"model": get_model_state_dict(training.model),
                  "optimizer": get_optimizer_state_dict(training.model, training.optimizer)}
-    dcp.load(state, checkpoint_id=str(staging))
-    set_model_state_dict(training.model, state["model"])
-    set_optimizer_state_dict(training.model, training.optimizer, state["optimizer"])
+        dcp.load(state, checkpoint_id=str(staging))
+        set_model_state_dict(training.model, state["model"])
+        set_optimizer_state_dict(training.model, training.optimizer, state["optimizer"])
+    _check_optimizer_restored(training.optimizer, state["optimizer"])
     dist.barrier()
     if training.dist.is_writer:
         shutil.rmtree(staging, ignore_errors=True)
@@ -222,8 +223,10 @@ def load_weights(training: Any, checkpoints: Path, name: str) -> None:
 
 @contextmanager
 def all_requiring_grad(optimizer: Any):
-    """The optimizer's parameters marked as requiring grad for a moment: torch creates a fresh optimizer's state
-    (which DCP then fills) only for those, and book-keeping takes every parameter out of autograd."""
+    """The optimizer's parameters marked as requiring grad while a checkpoint is read: book-keeping takes every
+    parameter out of autograd, and torch's ``get_optimizer_state_dict`` creates a fresh optimizer's state (which
+    DCP then fills) and ``set_optimizer_state_dict`` puts it back only for parameters that require grad (it
+    silently dropped every Adam moment and step count: the resumed run restarted Adam from step 0)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     flags = [p.requires_grad for p in params]
     for param in params:
@@ -233,6 +236,15 @@ def all_requiring_grad(optimizer: Any):
     finally:
         for param, flag in zip(params, flags):
             param.requires_grad_(flag)
+
+
+def _check_optimizer_restored(optimizer: Any, saved: dict) -> None:
+    """Refuse to continue when the optimizer holds state for fewer parameters than the checkpoint saved: the run
+    would go on with fresh Adam moments and not continue the run that was checkpointed."""
+    restored, expected = len(optimizer.state), len(saved.get("state", {}))
+    if restored != expected:
+        raise UserError(f"Only {restored} of the checkpoint's {expected} optimizer states were restored, so this "
+                        "resume would not continue the same run; please report this bug with the run directory.")
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
