@@ -22,7 +22,7 @@ import torch
 
 from dptext.accounting import PrivacyLedger
 from dptext.errors import RunInterrupted, UserError
-from dptext.finetune import sharding
+from dptext.finetune import sharded_checkpoint, sharding
 from dptext.finetune.selection import save_best
 from dptext.finetune.seeds import capture_rng_state, restore_rng_state
 from dptext.finetune.user_level import micro_batches_by_user
@@ -106,7 +106,7 @@ def train_step(training: Any, sampled: Any) -> tuple[float | None, int]:
 def checkpoint_state(training: Any, step: int, checkpoints: Path | None = None) -> dict[str, Any]:
     """``checkpoints``: the folder that FSDP2's sharded weights are written to (every rank writes its shard)."""
     if sharding.is_sharded(training):
-        state: dict[str, Any] = {"sharded_weights": sharding.save_weights(training, checkpoints, step)}
+        state: dict[str, Any] = {"sharded_weights": sharded_checkpoint.save_weights(training, checkpoints, step)}
     else:
         state = {"model": training.model.state_dict(), "optimizer": training.optimizer.state_dict()}
     state.update({
@@ -125,7 +125,7 @@ def checkpoint_state(training: Any, step: int, checkpoints: Path | None = None) 
 def restore(training: Any, state: dict[str, Any], checkpoints: Path | None = None) -> int:
     """Put a freshly built training back where the checkpoint left it; returns the step reached."""
     if "sharded_weights" in state:
-        sharding.load_weights(training, checkpoints, state["sharded_weights"])
+        sharded_checkpoint.load_weights(training, checkpoints, state["sharded_weights"])
     else:
         training.model.load_state_dict(state["model"])
         training.optimizer.load_state_dict(state["optimizer"])

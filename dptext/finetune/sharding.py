@@ -5,15 +5,12 @@ the start-up probe verified the engine on the whole model and before the optimiz
 the sharded parameters (the privacy side: ``dptext.privacy.sharded``). Every rank must then run the same
 collectives in the same order, so each logical step runs the same number of micro-batches on every rank (the
 shorter ranks run empty ones), every rank evaluates, and checkpoints are written by every rank with
-``torch.distributed.checkpoint``.
+``torch.distributed.checkpoint`` (``dptext.finetune.sharded_checkpoint``).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -141,106 +138,7 @@ def weights_finite(training: Any) -> bool:
     return training.dist.all_reduce_max(0 if mine else 1) == 0
 
 
-# ------------------------------------------------------------------ checkpoints and the exported model
-
-def weights_dir(step: int) -> str:
-    return f"step-{step:08d}.dcp"
-
-
-# The run directory's release manifest (dptext.release) classifies checkpoint files as "checkpoints/*.pt": DCP's own
-# file names (__0_0.distcp, .metadata) get ".pt" appended once written, and are linked back under their own names
-# into a staging folder to be read.
-SUFFIX = ".pt"
-
-
-def _stored_name(name: str) -> str:
-    return name.lstrip(".") + SUFFIX
-
-
-def save_weights(training: Any, checkpoints: Path, step: int) -> str:
-    """Model and optimizer shards with ``torch.distributed.checkpoint`` (every rank writes its own), atomically:
-    into a temporary folder that rank 0 renames once every rank has finished. Returns the folder's name, which
-    the ordinary checkpoint (written after it) points to; folders no checkpoint points to are removed."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    name = weights_dir(step)
-    staging = checkpoints / f".{name}.tmp"
-    if training.dist.is_writer:
-        checkpoints.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-    dist.barrier()
-    state = {"model": get_model_state_dict(training.model),
-             "optimizer": get_optimizer_state_dict(training.model, training.optimizer)}
-    dcp.save(state, checkpoint_id=str(staging))
-    dist.barrier()
-    if training.dist.is_writer:
-        for written in list(staging.iterdir()):
-            written.rename(staging / _stored_name(written.name))
-        target = checkpoints / name
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
-        for old in checkpoints.glob("step-*.dcp"):  # kept only while its step-N.pt is
-            if old.name != name and not (checkpoints / old.name.replace(".dcp", ".pt")).exists():
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return name
-
-
-def load_weights(training: Any, checkpoints: Path, name: str) -> None:
-    """Every rank reads its shards of the model and optimizer back (``save_weights``). Known open bug: a resumed
-    run does not yet end with the straight run's weights (tests/test_fsdp_run.py, xfail)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-
-    folder = checkpoints / name
-    metadata = folder / _stored_name(".metadata")
-    if not metadata.is_file():
-        raise UserError(f"The checkpoint's sharded weights {folder} are missing; resume from a complete copy of "
-                        "the run directory.")
-    staging = checkpoints / f".{name}.read"
-    if training.dist.is_writer:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        for stored in folder.iterdir():
-            original = "." + stored.name[:-len(SUFFIX)] if stored == metadata else stored.name[:-len(SUFFIX)]
-            _link_or_copy(stored, staging / original)
-    dist.barrier()
-    with all_requiring_grad(training.optimizer):
-        state = {"model": get_model_state_dict(training.model),
-                 "optimizer": get_optimizer_state_dict(training.model, training.optimizer)}
-    dcp.load(state, checkpoint_id=str(staging))
-    set_model_state_dict(training.model, state["model"])
-    set_optimizer_state_dict(training.model, training.optimizer, state["optimizer"])
-    dist.barrier()
-    if training.dist.is_writer:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-@contextmanager
-def all_requiring_grad(optimizer: Any):
-    """The optimizer's parameters marked as requiring grad for a moment: torch creates a fresh optimizer's state
-    (which DCP then fills) only for those, and book-keeping takes every parameter out of autograd."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    flags = [p.requires_grad for p in params]
-    for param in params:
-        param.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for param, flag in zip(params, flags):
-            param.requires_grad_(flag)
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError:  # a file system without hard links
-        shutil.copy2(source, target)
-
+# ------------------------------------------------------------------ the exported model
 
 def full_state_dict(training: Any) -> dict | None:
     """The whole model's weights on rank 0's CPU (all ranks call it), for an ordinary HF folder; None unsharded."""
