@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import SHARED_DATA
+from two_ranks import run_process_group
 from dptext import config
 from dptext.errors import UserError
 
@@ -29,8 +29,7 @@ TIMEOUT = 900  # a loaded 2-core machine: one tiny run takes 35 s idle, minutes 
 def torchrun(*args: str, cwd: Path) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "dptext", "finetune", *args]
-    done = subprocess.run(command, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    done = run_process_group(command, TIMEOUT, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,3 +34,17 @@ def run_two_ranks(script: str, out: Path, timeout: float) -> list:
                 proc.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def run_process_group(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for torchrun: on a timeout the whole process group goes, not only torchrun itself,
+    whose orphaned workers would otherwise wait in the rendezvous for half an hour."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
