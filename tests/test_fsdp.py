@@ -3,16 +3,18 @@
 The engine-level checks run once in two worker processes (this file run as a script with torchrun's environment)
 on a tiny fp64 transformer-like model with a tied embedding, sharded with ``fully_shard`` per block and at the
 root, and are compared here with single-process twins: (a) the update of one noise-free step (SGD, lr 1: the
-clipped sum / B) equals the single-process one for book-keeping, per_sample and per-layer clipping; (b) a
+clipped sum / B) equals the single-process one for book-keeping, ghost, per_sample and per-layer clipping; (b) a
 noise-only step gives every coordinate exactly the noise of one process with the same key — each coordinate drawn
 once, by the rank that owns it — with std σ·C; (c) per-rank parameter + gradient + Adam-state bytes are about
-half of the unsharded ones; (d) a rank with no examples joins with empty passes and changes nothing; (e) the
-non-private gradient is the mean over every rank's examples; (f) ghost
-clipping is refused before any data is touched.
+half of the unsharded ones; (d) a rank with no examples joins with empty passes and changes nothing (book-keeping
+and ghost); (e) the non-private gradient is the mean over every rank's examples; (f) ghost clipping reduce-scatters
+once per FSDP2 group per micro-batch (its norm-only pass none) and leaves no gradient behind, its per-step bound
+is checked over every rank's rows, and a parameter read outside its layer is still refused under sharding.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -22,7 +24,9 @@ from torch import nn
 from two_ranks import run_two_ranks
 
 N, C, VOCAB, WIDTH = 12, 0.5, 11, 6
-CASES = (("bookkeeping", "all_layer"), ("per_sample", "all_layer"), ("bookkeeping", "per_layer"))
+CASES = (("bookkeeping", "all_layer"), ("ghost", "all_layer"), ("per_sample", "all_layer"),
+         ("bookkeeping", "per_layer"))
+GROUPS = 3  # FSDP2 groups of ``shard``: two blocks and the root
 SIGMA, NOISE_C, NOISE_SEED = 1.3, 0.7, 5
 TIMEOUT = 240
 
@@ -106,7 +110,7 @@ class TokenTask:
         return losses(model, batch["input_ids"])
 
 
-def uneven_update(ctx):
+def uneven_update(ctx, mode: str):
     """Rank 0 holds every example (3 micro-batches), rank 1 none: it joins the collectives with empty passes."""
     from contextlib import nullcontext
     from types import SimpleNamespace
@@ -117,7 +121,7 @@ def uneven_update(ctx):
     model = shard(tiny_lm(), ctx)
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, distributed=ctx)
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode, distributed=ctx)
     ids = token_ids()
     training = SimpleNamespace(dist=ctx, engine=engine, model=model, task=TokenTask(), device=torch.device("cpu"))
     mine = list(range(N)) if ctx.rank == 0 else []
@@ -159,14 +163,55 @@ def adam_bytes(ctx=None) -> int:
     return held_bytes(model, optimizer)
 
 
-def ghost_refusal(ctx) -> str:
+def ghost_collectives(ctx) -> dict:
+    """One ghost micro-batch: the reduce-scatters FSDP2 ran (pass 2 only: one per group), the gradients left on the
+    parameters (none), and the step's refusal when the bound over every rank's rows fails (C shrunk after clipping)."""
+    import torch.distributed as dist
+
     from dptext.errors import UserError
     from dptext.privacy import PrivacyEngine
 
     model = shard(tiny_lm(), ctx)
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
+                           distributed=ctx)
+    calls, scatter = [], dist.reduce_scatter_single
+    dist.reduce_scatter_single = lambda *args, **kwargs: calls.append(1) or scatter(*args, **kwargs)
     try:
-        PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0, max_grad_norm=C,
-                      expected_batch_size=N, dataset_size=N, clipping_mode="ghost", distributed=ctx)
+        engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
+    finally:
+        dist.reduce_scatter_single = scatter
+    left = [name for name, param in model.named_parameters() if param.grad is not None]
+    engine.dp_optimizer.max_grad_norm = C / 100
+    try:
+        engine.step()
+        refusal = ""
+    except UserError as error:
+        refusal = str(error)
+    return {"scatters": len(calls), "left": left, "refusal": refusal}
+
+
+class FunctionalHead(TinyLM):
+    """The LM head as ``F.linear(h, embed.weight)``: a read outside the embedding that ghost's norms would miss."""
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return nn.functional.linear(hidden, self.embed.weight)
+
+
+def outside_read_refusal(ctx) -> str:
+    from dptext.errors import UserError
+    from dptext.privacy import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = shard(FunctionalHead().double(), ctx)
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
+                           distributed=ctx)
+    try:
+        engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
     except UserError as error:
         return str(error)
     return ""
@@ -191,9 +236,10 @@ def worker(out: Path) -> None:
         "updates": {case: dp_update(*case, ctx, mine) for case in CASES},
         "noise": noise_step(ctx),
         "bytes": adam_bytes(ctx),
-        "ghost": ghost_refusal(ctx),
+        "ghost": ghost_collectives(ctx),
+        "outside_read": outside_read_refusal(ctx),
         "non_private": non_private_mean(ctx, mine),
-        "uneven": uneven_update(ctx),
+        "uneven": {mode: uneven_update(ctx, mode) for mode in ("bookkeeping", "ghost")},
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -219,10 +265,11 @@ def test_sharded_clipped_sum_equals_single_process(two_ranks, case):
                 f"{case} {name}: off by {(got[name] - single[name]).abs().max():.3g}"
 
 
-def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ranks):
-    single = dp_update("bookkeeping", "all_layer")
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost"])
+def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ranks, mode):
+    single = dp_update(mode, "all_layer")
     for rank in two_ranks:
-        count, got = rank["uneven"]
+        count, got = rank["uneven"][mode]
         assert count == 3  # rank 1 ran 3 empty passes (a missing one would hang FSDP2's collectives)
         for name in single:
             assert torch.allclose(got[name], single[name], atol=1e-6, rtol=1e-5), name
@@ -278,9 +325,21 @@ def test_non_private_sharded_gradient_is_the_mean_over_every_rank(two_ranks):
             assert torch.allclose(rank["non_private"][name], param.grad, atol=1e-10), name
 
 
-def test_ghost_clipping_is_refused_with_sharding(two_ranks):
+def test_ghost_reduce_scatters_once_per_group_and_leaves_no_gradient(two_ranks):
     for rank in two_ranks:
-        assert "use clipping_mode='bookkeeping'" in rank["ghost"]
+        assert rank["ghost"]["scatters"] == GROUPS  # the norm-only pass reduce-scattered nothing
+        assert rank["ghost"]["left"] == []
+
+
+def test_ghost_bound_is_checked_over_every_ranks_rows(two_ranks):
+    for rank in two_ranks:  # every rank refuses the same step (a single one would leave the others waiting)
+        assert "per-step privacy check failed" in rank["ghost"]["refusal"]
+        assert "units × C" in rank["ghost"]["refusal"]
+
+
+def test_ghost_refuses_a_parameter_read_outside_its_layer_under_sharding(two_ranks):
+    for rank in two_ranks:  # FSDP2 hands the layers gathered copies of the weights: the check must follow them
+        assert re.search(r"Parameter '(embed|head)\.weight' is read outside the layers", rank["outside_read"])
 
 
 if __name__ == "__main__":
