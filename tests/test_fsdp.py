@@ -21,68 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from fsdp_models import N, VOCAB, FunctionalHead, full, losses, shard, tiny_lm, token_ids
 from two_ranks import run_two_ranks
 
-N, C, VOCAB, WIDTH = 12, 0.5, 11, 6
+C = 0.5
 CASES = (("bookkeeping", "all_layer"), ("ghost", "all_layer"), ("per_sample", "all_layer"),
          ("bookkeeping", "per_layer"))
 GROUPS = 3  # FSDP2 groups of ``shard``: two blocks and the root
 SIGMA, NOISE_C, NOISE_SEED = 1.3, 0.7, 5
 TIMEOUT = 240
-
-
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
-
-    def forward(self, hidden):
-        return self.norm(hidden + torch.tanh(self.fc(hidden)))
-
-
-class TinyLM(nn.Module):
-    """Embedding, two blocks, an LM head tied to the embedding (its clipping needs both uses' cross terms)."""
-
-    def __init__(self, vocab: int = VOCAB, width: int = WIDTH):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList([Block(width), Block(width)])
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, input_ids):
-        hidden = self.embed(input_ids)
-        for block in self.blocks:
-            hidden = block(hidden)
-        return self.head(hidden)
-
-
-def tiny_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return TinyLM().double()
-
-
-def token_ids():
-    return torch.randint(0, VOCAB, (N, 5), generator=torch.Generator().manual_seed(1))
-
-
-def losses(model, ids):
-    logits = model(ids)
-    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1),
-                                       reduction="none").view(ids.shape[0], -1).sum(dim=1)
-
-
-def shard(model, ctx, blocks=None):
-    from dptext.finetune.sharding import shard_model
-
-    if ctx is not None:
-        shard_model(model, list(model.blocks) if blocks is None else blocks)
-    return model
-
-
-def full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def dp_update(mode: str, layout: str, ctx=None, indices=None):
@@ -189,16 +136,6 @@ def ghost_collectives(ctx) -> dict:
     except UserError as error:
         refusal = str(error)
     return {"scatters": len(calls), "left": left, "refusal": refusal}
-
-
-class FunctionalHead(TinyLM):
-    """The LM head as ``F.linear(h, embed.weight)``: a read outside the embedding that ghost's norms would miss."""
-
-    def forward(self, input_ids):
-        hidden = self.embed(input_ids)
-        for block in self.blocks:
-            hidden = block(hidden)
-        return nn.functional.linear(hidden, self.embed.weight)
 
 
 def outside_read_refusal(ctx) -> str:
