@@ -4,8 +4,11 @@
 * per_sample: per-example gradients instantiated from the same records, clipped and summed;
 * ghost: pass 1 differentiates down to the recorded outputs only (norms), pass 2 differentiates Σ_i c_i·loss_i
   with ordinary autograd (sums). Before pass 1 the graph is checked for tracked parameters read outside their
-  modules (``outside_reads``): pass 2 would follow such a path, the norms would not.
-Every result goes through the per-step invariant before it joins the logical batch (``step_checks``).
+  modules (``outside_reads``): pass 2 would follow such a path, the norms would not. Under FSDP2 pass 1
+  reduce-scatters nothing and pass 2's reduce-scatter hands each rank its rows of every rank's sums
+  (``dptext.privacy.sharded``); a rank without examples runs both passes on a zero loss (``ghost_join``).
+Every result goes through the per-step invariant before it joins the logical batch (``step_checks``; ghost under
+FSDP2: its bound at the step, over every rank's rows).
 """
 
 from __future__ import annotations
@@ -117,7 +120,8 @@ def ghost_join(engine, per_example_loss: Tensor) -> None:
     nothing, and keeps its rows of the others' clipped sums, which the reduce-scatter hands it."""
     zero = per_example_loss * 0
     _norm_pass(engine, zero)
-    engine.recorder.take_uses()
+    for use in engine.recorder.take_uses():  # dropped unused (the retained graph would keep their tensors alive)
+        use.release()
     engine.outside_reads.clear()
     engine.dp_optimizer.add_reduced(_sum_pass(engine, zero), 0)
 
