@@ -150,3 +150,16 @@ def test_sharding_refuses_what_it_cannot_keep_exact(override, expected, shared_d
     recipe = config.load_recipe(tmp_path / "tiny.yaml", [override] if override else [])
     with pytest.raises(UserError, match=expected.replace(".", r"\.")):
         check_sharding(recipe, 2 if override else 1, probe_now=True)
+
+
+def test_sharded_ghost_is_accepted_and_refused_only_where_fsdp2_cannot_sum(shared_data, tmp_path, monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    from dptext.finetune.sharding import check_sharding
+
+    (tmp_path / "tiny.yaml").write_text(recipe_text(shared_data))
+    recipe = config.load_recipe(tmp_path / "tiny.yaml", ["privacy.clipping_mode=ghost"])
+    check_sharding(recipe, 2, probe_now=True)  # this torch's FSDP2 can: accepted
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    with pytest.raises(UserError, match="FSDP2 has no set_force_sum_reduction_for_comms"):
+        check_sharding(recipe, 2, probe_now=True)

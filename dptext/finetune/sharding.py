@@ -23,6 +23,7 @@ from dptext.errors import UserError
 from dptext.finetune.task_probe import verify_with_task
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.clipped_step import ghost_join
+from dptext.privacy.sharded import check_ghost_supported
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -70,6 +71,8 @@ def check_sharding(recipe: Any, world_size: int, probe_now: bool) -> None:
     if privacy.enabled and privacy.method == "edp_sgd":
         raise UserError("eDP-SGD clips whole micro-batches per rank and is not supported with "
                         "train.sharding=fsdp; use privacy.method=dp_sgd or train.sharding=none.")
+    if privacy.enabled and privacy.clipping_mode == "ghost":
+        check_ghost_supported()
     if not probe_now:
         raise UserError("dptext distill does not support train.sharding=fsdp yet; set train.sharding=none.")
 

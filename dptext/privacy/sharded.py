@@ -235,16 +235,25 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
+SUM_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params")
+
+
+def check_ghost_supported() -> None:
+    """Ghost clipping under FSDP2 needs FSDP2's reduce-scatter set to a plain sum (``sum_in_backward``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    missing = [name for name in SUM_SETTERS if not hasattr(FSDPModule, name)]
+    if missing:
+        raise UserError(f"This torch's FSDP2 has no {missing[0]}, which ghost clipping with train.sharding=fsdp "
+                        "needs; upgrade torch (2.13 is tested) or use privacy.clipping_mode=bookkeeping.")
+
+
 def sum_in_backward(model: nn.Module) -> None:
     """FSDP2's reduce-scatter as ghost clipping's second pass needs it: a plain sum over the ranks (not the mean,
     and SUM rather than a pre-multiplied sum, which gloo lacks), and every trainable parameter sent even when a
     rank's pass gave it no gradient, so that all ranks reduce-scatter the same layout."""
-    needed = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params")
+    check_ghost_supported()
     for module in fsdp_modules(model):
-        missing = [name for name in needed if not hasattr(module, name)]
-        if missing:
-            raise UserError(f"This torch's FSDP2 has no {missing[0]}, which ghost clipping with train.sharding=fsdp "
-                            "needs; upgrade torch (2.13 is tested) or use privacy.clipping_mode=bookkeeping.")
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
         module.set_reduce_scatter_unused_params(True, recurse=False)
