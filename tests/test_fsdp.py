@@ -82,7 +82,7 @@ def uneven_update(ctx, mode: str):
     return len(chunks), {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
 
 
-def noise_step(ctx=None):
+def noise_step(ctx=None, mode: str = "bookkeeping"):
     """The parameter moves of one noise-only step (SGD, lr 1) of a model with 2 × 300 × 301 + 2 coordinates."""
     from dptext.privacy import PrivacyEngine
 
@@ -92,7 +92,7 @@ def noise_step(ctx=None):
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=SIGMA,
                            max_grad_norm=NOISE_C, expected_batch_size=10, dataset_size=100, seed=NOISE_SEED,
-                           distributed=ctx)
+                           clipping_mode=mode, distributed=ctx)
     engine.step()
     return {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
 
@@ -171,7 +171,7 @@ def worker(out: Path) -> None:
     mine = ctx.shard(N)
     results = {
         "updates": {case: dp_update(*case, ctx, mine) for case in CASES},
-        "noise": noise_step(ctx),
+        "noise": {mode: noise_step(ctx, mode) for mode in ("bookkeeping", "ghost")},
         "bytes": adam_bytes(ctx),
         "ghost": ghost_collectives(ctx),
         "outside_read": outside_read_refusal(ctx),
@@ -212,19 +212,20 @@ def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ra
             assert torch.allclose(got[name], single[name], atol=1e-6, rtol=1e-5), name
 
 
-def test_each_coordinate_is_noised_once_with_std_sigma_c(two_ranks):
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost"])  # ghost's sums arrive reduce-scattered: the same noise
+def test_each_coordinate_is_noised_once_with_std_sigma_c(two_ranks, mode):
     from dptext.privacy.randomness import RandomRoot
     from dptext.privacy.sharded import ShardedNoise
 
     noise = ShardedNoise(RandomRoot(NOISE_SEED))  # what one process with the same key draws, coordinate by coordinate
     noise.reseed_if_secure()
     for rank in two_ranks:
-        for name, move in rank["noise"].items():
+        for name, move in rank["noise"][mode].items():
             expected = -noise.normal(SIGMA * NOISE_C, name, move.numel(), 0, move.numel(), torch.device("cpu")) / 10
             # every coordinate: once (twice would double it, never would leave 0), and the same draw whoever owns it
             off = (move.flatten() - expected).abs()
             assert off.max() < 1e-6, f"{name}: {int((off > 1e-6).sum())} coordinates off, first {int(off.argmax())}"
-    weight = two_ranks[0]["noise"]["0.weight"] * 10  # the noise of the summed gradient, 90k coordinates
+    weight = two_ranks[0]["noise"][mode]["0.weight"] * 10  # the noise of the summed gradient, 90k coordinates
     assert weight.std().item() == pytest.approx(SIGMA * NOISE_C, rel=0.02)  # std error ≈ 0.24%: 8 of them
     assert abs(weight.mean().item()) < 0.02
 
