@@ -86,7 +86,10 @@ class OutsideReads:
         """FSDP2 swaps a module's sharded parameters for gathered ones (other objects) during its call, and the
         graph reads those: they count as the planned parameter, with its owners (kept referenced: ids stay unique)."""
         for name, planned in self._planned[module]:
-            current = module.get_parameter(name)
+            try:
+                current = module.get_parameter(name)
+            except AttributeError:  # a plain tensor in its place (torch.func's functional_call): not a parameter
+                continue
             if current is not planned and id(current) not in self._by_id:
                 self.owners[current] = self.owners[planned]
                 self._by_id[id(current)] = planned
