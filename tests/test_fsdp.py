@@ -3,82 +3,33 @@
 The engine-level checks run once in two worker processes (this file run as a script with torchrun's environment)
 on a tiny fp64 transformer-like model with a tied embedding, sharded with ``fully_shard`` per block and at the
 root, and are compared here with single-process twins: (a) the update of one noise-free step (SGD, lr 1: the
-clipped sum / B) equals the single-process one for book-keeping, per_sample and per-layer clipping; (b) a
+clipped sum / B) equals the single-process one for book-keeping, ghost, per_sample and per-layer clipping; (b) a
 noise-only step gives every coordinate exactly the noise of one process with the same key — each coordinate drawn
 once, by the rank that owns it — with std σ·C; (c) per-rank parameter + gradient + Adam-state bytes are about
-half of the unsharded ones; (d) a rank with no examples joins with empty passes and changes nothing; (e) the
-non-private gradient is the mean over every rank's examples; (f) ghost
-clipping is refused before any data is touched.
+half of the unsharded ones; (d) a rank with no examples joins with empty passes and changes nothing (book-keeping
+and ghost); (e) the non-private gradient is the mean over every rank's examples; (f) ghost clipping reduce-scatters
+once per FSDP2 group per micro-batch (its norm-only pass none) and leaves no gradient behind, its per-step bound
+is checked over every rank's rows, and a parameter read outside its layer is still refused under sharding.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from fsdp_models import N, VOCAB, FunctionalHead, full, losses, shard, tiny_lm, token_ids
 from two_ranks import run_two_ranks
 
-N, C, VOCAB, WIDTH = 12, 0.5, 11, 6
-CASES = (("bookkeeping", "all_layer"), ("per_sample", "all_layer"), ("bookkeeping", "per_layer"))
+C = 0.5
+CASES = (("bookkeeping", "all_layer"), ("ghost", "all_layer"), ("per_sample", "all_layer"),
+         ("bookkeeping", "per_layer"))
+GROUPS = 3  # FSDP2 groups of ``shard``: two blocks and the root
 SIGMA, NOISE_C, NOISE_SEED = 1.3, 0.7, 5
 TIMEOUT = 240
-
-
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.fc = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
-
-    def forward(self, hidden):
-        return self.norm(hidden + torch.tanh(self.fc(hidden)))
-
-
-class TinyLM(nn.Module):
-    """Embedding, two blocks, an LM head tied to the embedding (its clipping needs both uses' cross terms)."""
-
-    def __init__(self, vocab: int = VOCAB, width: int = WIDTH):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList([Block(width), Block(width)])
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, input_ids):
-        hidden = self.embed(input_ids)
-        for block in self.blocks:
-            hidden = block(hidden)
-        return self.head(hidden)
-
-
-def tiny_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return TinyLM().double()
-
-
-def token_ids():
-    return torch.randint(0, VOCAB, (N, 5), generator=torch.Generator().manual_seed(1))
-
-
-def losses(model, ids):
-    logits = model(ids)
-    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1),
-                                       reduction="none").view(ids.shape[0], -1).sum(dim=1)
-
-
-def shard(model, ctx, blocks=None):
-    from dptext.finetune.sharding import shard_model
-
-    if ctx is not None:
-        shard_model(model, list(model.blocks) if blocks is None else blocks)
-    return model
-
-
-def full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def dp_update(mode: str, layout: str, ctx=None, indices=None):
@@ -106,7 +57,7 @@ class TokenTask:
         return losses(model, batch["input_ids"])
 
 
-def uneven_update(ctx):
+def uneven_update(ctx, mode: str):
     """Rank 0 holds every example (3 micro-batches), rank 1 none: it joins the collectives with empty passes."""
     from contextlib import nullcontext
     from types import SimpleNamespace
@@ -117,7 +68,7 @@ def uneven_update(ctx):
     model = shard(tiny_lm(), ctx)
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, distributed=ctx)
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode, distributed=ctx)
     ids = token_ids()
     training = SimpleNamespace(dist=ctx, engine=engine, model=model, task=TokenTask(), device=torch.device("cpu"))
     mine = list(range(N)) if ctx.rank == 0 else []
@@ -131,7 +82,7 @@ def uneven_update(ctx):
     return len(chunks), {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
 
 
-def noise_step(ctx=None):
+def noise_step(ctx=None, mode: str = "bookkeeping"):
     """The parameter moves of one noise-only step (SGD, lr 1) of a model with 2 × 300 × 301 + 2 coordinates."""
     from dptext.privacy import PrivacyEngine
 
@@ -141,7 +92,7 @@ def noise_step(ctx=None):
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=SIGMA,
                            max_grad_norm=NOISE_C, expected_batch_size=10, dataset_size=100, seed=NOISE_SEED,
-                           distributed=ctx)
+                           clipping_mode=mode, distributed=ctx)
     engine.step()
     return {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
 
@@ -159,14 +110,45 @@ def adam_bytes(ctx=None) -> int:
     return held_bytes(model, optimizer)
 
 
-def ghost_refusal(ctx) -> str:
+def ghost_collectives(ctx) -> dict:
+    """One ghost micro-batch: the reduce-scatters FSDP2 ran (pass 2 only: one per group), the gradients left on the
+    parameters (none), and the step's refusal when the bound over every rank's rows fails (C shrunk after clipping)."""
+    import torch.distributed as dist
+
     from dptext.errors import UserError
     from dptext.privacy import PrivacyEngine
 
     model = shard(tiny_lm(), ctx)
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
+                           distributed=ctx)
+    calls, scatter = [], dist.reduce_scatter_single
+    dist.reduce_scatter_single = lambda *args, **kwargs: calls.append(1) or scatter(*args, **kwargs)
     try:
-        PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0, max_grad_norm=C,
-                      expected_batch_size=N, dataset_size=N, clipping_mode="ghost", distributed=ctx)
+        engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
+    finally:
+        dist.reduce_scatter_single = scatter
+    left = [name for name, param in model.named_parameters() if param.grad is not None]
+    engine.dp_optimizer.max_grad_norm = C / 100
+    try:
+        engine.step()
+        refusal = ""
+    except UserError as error:
+        refusal = str(error)
+    return {"scatters": len(calls), "left": left, "refusal": refusal}
+
+
+def outside_read_refusal(ctx) -> str:
+    from dptext.errors import UserError
+    from dptext.privacy import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = shard(FunctionalHead().double(), ctx)
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
+                           distributed=ctx)
+    try:
+        engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
     except UserError as error:
         return str(error)
     return ""
@@ -189,11 +171,12 @@ def worker(out: Path) -> None:
     mine = ctx.shard(N)
     results = {
         "updates": {case: dp_update(*case, ctx, mine) for case in CASES},
-        "noise": noise_step(ctx),
+        "noise": {mode: noise_step(ctx, mode) for mode in ("bookkeeping", "ghost")},
         "bytes": adam_bytes(ctx),
-        "ghost": ghost_refusal(ctx),
+        "ghost": ghost_collectives(ctx),
+        "outside_read": outside_read_refusal(ctx),
         "non_private": non_private_mean(ctx, mine),
-        "uneven": uneven_update(ctx),
+        "uneven": {mode: uneven_update(ctx, mode) for mode in ("bookkeeping", "ghost")},
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -219,28 +202,30 @@ def test_sharded_clipped_sum_equals_single_process(two_ranks, case):
                 f"{case} {name}: off by {(got[name] - single[name]).abs().max():.3g}"
 
 
-def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ranks):
-    single = dp_update("bookkeeping", "all_layer")
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost"])
+def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ranks, mode):
+    single = dp_update(mode, "all_layer")
     for rank in two_ranks:
-        count, got = rank["uneven"]
+        count, got = rank["uneven"][mode]
         assert count == 3  # rank 1 ran 3 empty passes (a missing one would hang FSDP2's collectives)
         for name in single:
             assert torch.allclose(got[name], single[name], atol=1e-6, rtol=1e-5), name
 
 
-def test_each_coordinate_is_noised_once_with_std_sigma_c(two_ranks):
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost"])  # ghost's sums arrive reduce-scattered: the same noise
+def test_each_coordinate_is_noised_once_with_std_sigma_c(two_ranks, mode):
     from dptext.privacy.randomness import RandomRoot
     from dptext.privacy.sharded import ShardedNoise
 
     noise = ShardedNoise(RandomRoot(NOISE_SEED))  # what one process with the same key draws, coordinate by coordinate
     noise.reseed_if_secure()
     for rank in two_ranks:
-        for name, move in rank["noise"].items():
+        for name, move in rank["noise"][mode].items():
             expected = -noise.normal(SIGMA * NOISE_C, name, move.numel(), 0, move.numel(), torch.device("cpu")) / 10
             # every coordinate: once (twice would double it, never would leave 0), and the same draw whoever owns it
             off = (move.flatten() - expected).abs()
             assert off.max() < 1e-6, f"{name}: {int((off > 1e-6).sum())} coordinates off, first {int(off.argmax())}"
-    weight = two_ranks[0]["noise"]["0.weight"] * 10  # the noise of the summed gradient, 90k coordinates
+    weight = two_ranks[0]["noise"][mode]["0.weight"] * 10  # the noise of the summed gradient, 90k coordinates
     assert weight.std().item() == pytest.approx(SIGMA * NOISE_C, rel=0.02)  # std error ≈ 0.24%: 8 of them
     assert abs(weight.mean().item()) < 0.02
 
@@ -278,9 +263,21 @@ def test_non_private_sharded_gradient_is_the_mean_over_every_rank(two_ranks):
             assert torch.allclose(rank["non_private"][name], param.grad, atol=1e-10), name
 
 
-def test_ghost_clipping_is_refused_with_sharding(two_ranks):
+def test_ghost_reduce_scatters_once_per_group_and_leaves_no_gradient(two_ranks):
     for rank in two_ranks:
-        assert "use clipping_mode='bookkeeping'" in rank["ghost"]
+        assert rank["ghost"]["scatters"] == GROUPS  # the norm-only pass reduce-scattered nothing
+        assert rank["ghost"]["left"] == []
+
+
+def test_ghost_bound_is_checked_over_every_ranks_rows(two_ranks):
+    for rank in two_ranks:  # every rank refuses the same step (a single one would leave the others waiting)
+        assert "per-step privacy check failed" in rank["ghost"]["refusal"]
+        assert "units × C" in rank["ghost"]["refusal"]
+
+
+def test_ghost_refuses_a_parameter_read_outside_its_layer_under_sharding(two_ranks):
+    for rank in two_ranks:  # FSDP2 hands the layers gathered copies of the weights: the check must follow them
+        assert re.search(r"Parameter '(embed|head)\.weight' is read outside the layers", rank["outside_read"])
 
 
 if __name__ == "__main__":

@@ -114,8 +114,29 @@ def test_sharded_non_private_baseline_trains(shared_data, tmp_path):
     assert not result["privacy"]["private"] and result["steps_run"] == 4
 
 
+@pytest.mark.slow
+def test_sharded_ghost_run_ends_where_the_bookkeeping_run_does(shared_data, tmp_path):
+    """Two runs with the same seeded noise and sampler, ghost and book-keeping: the same clipped sums, so the same
+    weights (up to rounding) and the same ledger."""
+    import torch
+    from safetensors.torch import load_file
+
+    (tmp_path / "tiny.yaml").write_text(recipe_text(shared_data, "{target_epsilon: 8, reproducible_noise: true}"))
+    runs = {}
+    for mode in ("ghost", "bookkeeping"):
+        torchrun(str(tmp_path / "tiny.yaml"), f"privacy.clipping_mode={mode}", "--out", str(tmp_path / mode),
+                 cwd=tmp_path)
+        runs[mode] = load_file(tmp_path / mode / "model" / "model.safetensors")
+        assert json.loads((tmp_path / mode / "result.json").read_text())["privacy"]["clipping_mode"] == mode
+    assert sorted(runs["ghost"]) == sorted(runs["bookkeeping"])
+    for name, weight in runs["ghost"].items():
+        assert torch.allclose(weight, runs["bookkeeping"][name], atol=1e-5), name
+    ledgers = [json.loads((tmp_path / mode / "ledger.json").read_text()) for mode in runs]
+    assert ledgers[0]["steps"] == ledgers[1]["steps"] == 4
+    assert ledgers[0]["epsilon"] == ledgers[1]["epsilon"]
+
+
 @pytest.mark.parametrize("override, expected", [
-    ("privacy.clipping_mode=ghost", "clipping_mode=bookkeeping"),
     ("privacy.method=edp_sgd", "privacy.method=dp_sgd"),
     (None, "--nproc_per_node N"),
 ])
@@ -126,3 +147,16 @@ def test_sharding_refuses_what_it_cannot_keep_exact(override, expected, shared_d
     recipe = config.load_recipe(tmp_path / "tiny.yaml", [override] if override else [])
     with pytest.raises(UserError, match=expected.replace(".", r"\.")):
         check_sharding(recipe, 2 if override else 1, probe_now=True)
+
+
+def test_sharded_ghost_is_accepted_and_refused_only_where_fsdp2_cannot_sum(shared_data, tmp_path, monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    from dptext.finetune.sharding import check_sharding
+
+    (tmp_path / "tiny.yaml").write_text(recipe_text(shared_data))
+    recipe = config.load_recipe(tmp_path / "tiny.yaml", ["privacy.clipping_mode=ghost"])
+    check_sharding(recipe, 2, probe_now=True)  # this torch's FSDP2 can: accepted
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    with pytest.raises(UserError, match="FSDP2 has no set_force_sum_reduction_for_comms"):
+        check_sharding(recipe, 2, probe_now=True)

@@ -19,6 +19,8 @@ from torch import nn
 from dptext.errors import UserError
 from dptext.finetune.task_probe import verify_with_task
 from dptext.privacy import PrivacyEngine
+from dptext.privacy.clipped_step import ghost_join
+from dptext.privacy.sharded import check_ghost_supported
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -67,8 +69,7 @@ def check_sharding(recipe: Any, world_size: int, probe_now: bool) -> None:
         raise UserError("eDP-SGD clips whole micro-batches per rank and is not supported with "
                         "train.sharding=fsdp; use privacy.method=dp_sgd or train.sharding=none.")
     if privacy.enabled and privacy.clipping_mode == "ghost":
-        raise UserError("Ghost clipping is not supported with train.sharding=fsdp; use "
-                        "privacy.clipping_mode=bookkeeping (the same clipped sums in one backward pass).")
+        check_ghost_supported()
     if not probe_now:
         raise UserError("dptext distill does not support train.sharding=fsdp yet; set train.sharding=none.")
 
@@ -121,6 +122,9 @@ def empty_pass(training: Any, autocast: Any) -> None:
              for k, v in training.task.probe_batch(training.model, generator, 1, 4).items()}
     with autocast:
         losses = training.task.per_example_loss(training.model, batch)
+    if getattr(training.engine, "clipping_mode", None) == "ghost":
+        ghost_join(training.engine, losses)  # ghost's two passes, and the others' rows of their sums kept
+        return
     if losses.requires_grad:
         (losses * 0).sum().backward()
     if training.engine is not None:

@@ -4,19 +4,23 @@
 * per_sample: per-example gradients instantiated from the same records, clipped and summed;
 * ghost: pass 1 differentiates down to the recorded outputs only (norms), pass 2 differentiates Σ_i c_i·loss_i
   with ordinary autograd (sums). Before pass 1 the graph is checked for tracked parameters read outside their
-  modules (``outside_reads``): pass 2 would follow such a path, the norms would not.
-Every result goes through the per-step invariant before it joins the logical batch (``step_checks``).
+  modules (``outside_reads``): pass 2 would follow such a path, the norms would not. Under FSDP2 pass 1
+  reduce-scatters nothing and pass 2's reduce-scatter hands each rank its rows of every rank's sums
+  (``dptext.privacy.sharded``); a rank without examples runs both passes on a zero loss (``ghost_join``).
+Every result goes through the per-step invariant before it joins the logical batch (``step_checks``; ghost under
+FSDP2: its bound at the step, over every rank's rows).
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import Tensor
 
 from dptext.errors import UserError
 from dptext.privacy import clipping
+from dptext.privacy.sharded import gradient_sync_off, local_grads
 from dptext.privacy.step_checks import check_invariant, checked_uses
 from dptext.privacy.units import UnitIndex, unit_gradients_instantiated
 
@@ -80,12 +84,13 @@ def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = N
     engine.outside_reads.clear()
     if param is not None:
         engine.recorder.take_uses()
-        raise UserError(f"Parameter '{engine.param_names().get(param, tuple(param.shape))}' is read outside the "
-                        "layers that own it (a functional use such as F.linear(h, embed.weight), or a second module "
-                        "reading it), a path ghost clipping's norms do not see; nothing from this batch was "
-                        "applied — call the owning module instead, or freeze the parameter.")
-    # Pass 1 differentiates only down to the recorded layer outputs: no weight gradients are formed.
-    torch.autograd.grad(per_example_loss.sum(), engine.recorder.outputs(), retain_graph=True, allow_unused=True)
+        # the plan's names: under FSDP2 the model may hold gathered copies of its parameters right now
+        name = engine.dp_optimizer.param_names.get(param, tuple(param.shape))
+        raise UserError(f"Parameter '{name}' is read outside the layers that own it (a functional use such as "
+                        "F.linear(h, embed.weight), or a second module reading it), a path ghost clipping's norms do "
+                        "not see; nothing from this batch was applied — call the owning module instead, or freeze "
+                        "the parameter.")
+    _norm_pass(engine, per_example_loss)
     uses = checked_uses(engine, per_example_loss)
     count = units_of_rows(uses, units)
     with exact_arithmetic(engine):
@@ -94,15 +99,54 @@ def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = N
     for use in uses:  # pass 2 needs none of them; the retained graph would keep them alive
         use.release()
     del uses
-    for param in engine.params:
-        param.grad = None
     factor = next(iter(coef.values())).detach()  # all_layer: one factor per unit, shared by every parameter
     if units is not None:
         factor = factor[units.of_example.to(factor.device)]
-    (per_example_loss * factor).sum().backward()
+    sums = _sum_pass(engine, per_example_loss * factor)
+    with exact_arithmetic(engine):
+        if not _sharded(engine):
+            add_checked(engine, sums, norms_sq, norms, count)
+            return norms
+        # FSDP2: ``sums`` are this rank's rows of every rank's sums; the bound on them is checked at the step
+        engine.last_norms_sq = norms_sq if engine.recorder.probing else None
+        check_invariant(engine, {}, norms, count)
+        engine.dp_optimizer.add_reduced(sums, count)
+    return norms
+
+
+def ghost_join(engine, per_example_loss: Tensor) -> None:
+    """FSDP2, a rank with no examples in this micro-batch: ghost clipping's two passes on ``per_example_loss``
+    (a synthetic batch's) times 0, so that it joins the other ranks' all-gathers and reduce-scatters; it adds
+    nothing, and keeps its rows of the others' clipped sums, which the reduce-scatter hands it."""
+    zero = per_example_loss * 0
+    _norm_pass(engine, zero)
+    for use in engine.recorder.take_uses():  # dropped unused (the retained graph would keep their tensors alive)
+        use.release()
+    engine.outside_reads.clear()
+    engine.dp_optimizer.add_reduced(_sum_pass(engine, zero), 0)
+
+
+def _sharded(engine) -> bool:
+    return engine.distributed is not None and engine.distributed.sharded
+
+
+def _norm_pass(engine, per_example_loss: Tensor) -> None:
+    """Pass 1 differentiates only down to the recorded layer outputs: no weight gradients are formed (and under
+    FSDP2 nothing is reduce-scattered)."""
+    with gradient_sync_off(engine.model) if _sharded(engine) else nullcontext():
+        torch.autograd.grad(per_example_loss.sum(), engine.recorder.outputs(), retain_graph=True,
+                            allow_unused=True)
+
+
+def _sum_pass(engine, weighted_loss: Tensor) -> dict:
+    """Pass 2: Σ_i c_i·loss_i differentiated by autograd; under FSDP2 each parameter's gradient is this rank's rows
+    of the sum over the ranks (FSDP2's reduce-scatter, ``dptext.privacy.sharded.sum_in_backward``)."""
+    for param in engine.params:
+        param.grad = None
+    weighted_loss.sum().backward()
+    if _sharded(engine):
+        return local_grads(engine.params)
     sums = {param: param.grad for param in engine.params if param.grad is not None}
     for param in engine.params:
         param.grad = None
-    with exact_arithmetic(engine):
-        add_checked(engine, sums, norms_sq, norms, count)
-    return norms
+    return sums

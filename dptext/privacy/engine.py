@@ -80,10 +80,6 @@ class PrivacyEngine:
         _check_choice("clipping_mode", clipping_mode, CLIPPING_MODES)
         _check_choice("clipping_layout", clipping_layout, CLIPPING_LAYOUTS)
         _check_choice("sampling", sampling, SAMPLINGS)
-        if clipping_mode == "ghost" and getattr(distributed, "sharded", False):
-            raise UserError("Ghost clipping's second backward pass goes through FSDP2's gradient reduce-scatter, "
-                            "which dptext does not keep exact yet; use clipping_mode='bookkeeping' (the same "
-                            "clipped sums in one backward pass) with train.sharding=fsdp.")
         if clipping_mode == "ghost" and clipping_layout == "per_layer":
             raise UserError("Ghost clipping's second backward pass applies one factor per example; use "
                             "clipping_mode='bookkeeping' (or per_sample) for per-layer clipping.")

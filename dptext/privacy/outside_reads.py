@@ -45,9 +45,11 @@ class OutsideReads:
 
     def __init__(self, model: nn.Module, tracked: dict[nn.Module, tuple[Any, tuple[str, ...]]]):
         self.owners: dict[nn.Parameter, list[nn.Module]] = {}
-        for module, (_, names) in tracked.items():
-            for name in names:
-                self.owners.setdefault(module.get_parameter(name), []).append(module)
+        self._planned = {module: [(name, module.get_parameter(name)) for name in names]
+                         for module, (_, names) in tracked.items()}
+        for module, planned in self._planned.items():
+            for _, param in planned:
+                self.owners.setdefault(param, []).append(module)
         self.windows: dict[nn.Module, list[tuple[int, int]]] = {}
         self._open: list[int] = []
         self._by_id = {id(param): param for param in self.owners}
@@ -77,7 +79,20 @@ class OutsideReads:
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():
+            self._alias_gathered(module)
             self._open.append(self._now())
+
+    def _alias_gathered(self, module: nn.Module) -> None:
+        """FSDP2 swaps a module's sharded parameters for gathered ones (other objects) during its call, and the
+        graph reads those: they count as the planned parameter, with its owners (kept referenced: ids stay unique)."""
+        for name, planned in self._planned[module]:
+            try:
+                current = module.get_parameter(name)
+            except AttributeError:  # a plain tensor in its place (torch.func's functional_call): not a parameter
+                continue
+            if current is not planned and id(current) not in self._by_id:
+                self.owners[current] = self.owners[planned]
+                self._by_id[id(current)] = planned
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:  # returns None: output unchanged
         if torch.is_grad_enabled() and self._open:

@@ -18,6 +18,12 @@ What changes against ``dptext.privacy.distributed`` (every rank holds the whole 
   coordinates un-noised). FSDP2 already trusts every rank with the only copy of its shard of the weights and
   optimizer state, so this adds no new party; one rank noising the whole model would need the whole model's
   gradient on that rank, which is what sharding avoids.
+* **Ghost clipping: FSDP2 reduces in the second backward pass.** Pass 1 (norms only) runs with gradient sync off
+  and forms no weight gradient, so nothing is reduce-scattered or accumulated; pass 2 differentiates
+  Σ_i c_i·loss_i and FSDP2's own reduce-scatter (set to a plain sum, every trainable parameter included, so all
+  ranks send the same layout) leaves each rank its rows of Σ_ranks; they are taken from ``.grad`` after every
+  micro-batch (``add_reduced``) and noised at the step like the reduce-scattered book-keeping sums. The bound
+  ‖Σ‖ ≤ units·C needs every rank's rows, so it is checked at the step over one all-reduce.
 """
 
 from __future__ import annotations
@@ -31,8 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dptext.errors import UserError
+from dptext.privacy.clipping import invariant_tolerance
 from dptext.privacy.optimizer import DPOptimizer
 from dptext.privacy.randomness import RandomRoot
+from dptext.privacy.step_checks import invariant_failed
 
 BLOCK = 1 << 16  # coordinates per noise block: a block's generator is seeded once per step
 SHARDED_STREAM = 1 << 20  # the noise child's stream for sharded noise, apart from the per-device streams
@@ -101,9 +110,41 @@ class ShardedDPOptimizer(DPOptimizer):
     """``DPOptimizer`` for FSDP2-sharded parameters: reduce-scatter of the clipped sums, noise on each rank's own
     rows, the result set as each parameter's sharded gradient."""
 
-    def __init__(self, *args, rank: int, world_size: int, **kwargs):
+    def __init__(self, *args, rank: int, world_size: int, backward_reduces: bool = False, **kwargs):
+        """``backward_reduces`` (ghost clipping): the sums arrive already reduce-scattered (``add_reduced``)."""
         super().__init__(*args, **kwargs)
         self.rank, self.world_size = rank, world_size
+        self.backward_reduces = backward_reduces
+        self.reduced: dict[nn.Parameter, Tensor] = {}
+
+    def add_reduced(self, rows: dict[nn.Parameter, Tensor], units: int) -> None:
+        """This rank's rows of Σ_ranks of one micro-batch's clipped sums (FSDP2's reduce-scatter in ghost clipping's
+        second pass), and this rank's count of units in it."""
+        for param, local in rows.items():
+            local = local.float()
+            self.reduced[param] = self.reduced[param] + local if param in self.reduced else local
+        self.examples_seen += units
+
+    def _checked_reduced(self) -> dict[nn.Parameter, Tensor]:
+        """This rank's rows of the logical batch's clipped sum (ghost), after the per-step invariant over every
+        rank's rows: ‖Σ‖ ≤ (units of all ranks)·C, one all-reduce; every rank reaches the same verdict."""
+        grads = {param: self.reduced.pop(param, None) for param in self.params}
+        grads = {param: torch.zeros(param.to_local().shape, dtype=torch.float32, device=param.to_local().device)
+                 if rows is None else rows for param, rows in grads.items()}
+        squares = [torch.linalg.vector_norm(rows, dtype=torch.float64).pow(2) for rows in grads.values()]
+        totals = torch.stack(squares + [torch.tensor(float(self.examples_seen), dtype=torch.float64,
+                                                     device=squares[0].device)])
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        squares, units = totals[:-1], float(totals[-1])
+        problem = None
+        if not bool(torch.isfinite(squares).all()):
+            problem = int((~torch.isfinite(squares)).nonzero()[0]), "its clipped sum is not finite"
+        elif float(squares.sum().sqrt()) > units * self.max_grad_norm * (1 + invariant_tolerance({torch.float32})):
+            problem = int(squares.argmax()), "the clipped sum exceeds the batch's budget of units × C"
+        if problem is not None:
+            self.zero_grad()
+            raise invariant_failed(self.param_names.get(self.params[problem[0]], "?"), problem[1])
+        return grads
 
     def _reduce_scatter(self) -> dict[nn.Parameter, Tensor]:
         """Each parameter's own rows of Σ_ranks (clipped sums), in fp32; consumes the accumulated sums one by one
@@ -142,7 +183,7 @@ class ShardedDPOptimizer(DPOptimizer):
         """(this rank's rows of Σ_ranks Σ_i ḡ_i + its own rows of N(0, σ²C²)) / B, as local fp32 tensors."""
         self.noise.reseed_if_secure()
         std = self.noise_multiplier * self.max_grad_norm
-        grads = self._reduce_scatter()
+        grads = self._checked_reduced() if self.backward_reduces else self._reduce_scatter()
         for param, local in grads.items():
             if std > 0 and local.numel():
                 first, _ = local_rows(param, self.rank, self.world_size)
@@ -166,6 +207,10 @@ class ShardedDPOptimizer(DPOptimizer):
         for param in self.params:
             param.grad = None
 
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self.reduced = {}
+
 
 def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool) -> ShardedDPOptimizer:
     """The engine's DP optimizer over FSDP2-sharded parameters, its noise key shared from rank 0."""
@@ -176,8 +221,63 @@ def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool
     noise = ShardedNoise(engine.root, secure_rng)
     noise.share_key(engine.distributed.broadcast)
     context = engine.distributed
+    ghost = engine.clipping_mode == "ghost"
+    if ghost:
+        sum_in_backward(engine.model)
     return ShardedDPOptimizer(optimizer, engine.params, engine.noise_multiplier, engine.max_grad_norm,
-                              engine.expected_batch_size, noise, rank=context.rank, world_size=context.world_size)
+                              engine.expected_batch_size, noise, rank=context.rank, world_size=context.world_size,
+                              backward_reduces=ghost)
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+SUM_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params")
+
+
+def check_ghost_supported() -> None:
+    """Ghost clipping under FSDP2 needs FSDP2's reduce-scatter set to a plain sum (``sum_in_backward``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    missing = [name for name in SUM_SETTERS if not hasattr(FSDPModule, name)]
+    if missing:
+        raise UserError(f"This torch's FSDP2 has no {missing[0]}, which ghost clipping with train.sharding=fsdp "
+                        "needs; upgrade torch (2.13 is tested) or use privacy.clipping_mode=bookkeeping.")
+
+
+def sum_in_backward(model: nn.Module) -> None:
+    """FSDP2's reduce-scatter as ghost clipping's second pass needs it: a plain sum over the ranks (not the mean,
+    and SUM rather than a pre-multiplied sum, which gloo lacks), and every trainable parameter sent even when a
+    rank's pass gave it no gradient, so that all ranks reduce-scatter the same layout."""
+    check_ghost_supported()
+    for module in fsdp_modules(model):
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+@contextmanager
+def gradient_sync_off(model: nn.Module):
+    """Ghost clipping's first (norm-only) pass: FSDP2 reshards after it but must not reduce-scatter."""
+    modules = fsdp_modules(model)
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+
+
+def local_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, Tensor]:
+    """Each sharded parameter's gradient as this rank's local rows; the gradients are then dropped."""
+    rows = {param: param.grad.to_local() for param in params if param.grad is not None}
+    for param in params:
+        param.grad = None
+    return rows
 
 
 def noise_site(context) -> str:

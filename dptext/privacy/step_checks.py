@@ -49,10 +49,13 @@ def check_invariant(engine, sums, norms: Tensor, units: int) -> None:
     if problem is not None:
         engine.dp_optimizer.zero_grad()
         param, why = problem
-        name = engine.param_names().get(param, "?") if param is not None else "(no parameter)"
-        raise UserError(f"The per-step privacy check failed at parameter '{name}' ({why}); nothing from this "
-                        "batch was applied — lower the learning rate if training diverged, else report this "
-                        "engine bug and use clipping_mode='per_sample' meanwhile.")
+        raise invariant_failed(engine.param_names().get(param, "?") if param is not None else "(no parameter)", why)
+
+
+def invariant_failed(name: str, why: str) -> UserError:
+    return UserError(f"The per-step privacy check failed at parameter '{name}' ({why}); nothing from this batch "
+                     "was applied — lower the learning rate if training diverged, else report this engine bug and "
+                     "use clipping_mode='per_sample' meanwhile.")
 
 
 def check_trainable_set(engine) -> None:
