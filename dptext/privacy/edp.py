@@ -244,7 +244,6 @@ class EDPEngine:
 
     def mechanism(self) -> dict[str, Any]:
         """The guarantee and its unit, for the run summary and the ledger."""
-        one_each = self.factor == 1
         leaks = self.scaling == "first_step"
         guarantee = (f"example-level (ε, δ); clipping unit: micro-batch, sensitivity {self.factor}C "
                      f"(accounted σ_t = z_t/{self.factor})")
