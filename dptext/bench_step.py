@@ -73,8 +73,9 @@ def _make_step(mode: str, model, batch_size: int):
 
 
 def _time_noise(engine) -> list[float]:
-    """Seconds spent drawing the Gaussian noise, appended per call: one draw per coordinate per step is a cost
-    every DP-SGD pays whatever its clipping, so the grid reports it beside the step time."""
+    """Seconds spent drawing the Gaussian noise, appended per call (the caller clears it per step): one draw per
+    coordinate per step is a cost every DP-SGD pays whatever its clipping, so the grid reports it beside the step
+    time."""
     noise, seconds = engine.dp_optimizer.noise, []
     draw = noise.normals
 
@@ -186,13 +187,15 @@ def measure(spec: dict) -> dict:
         drawn = getattr(step, "noise_seconds", None)
         with autocast:
             for i in range(spec["warmup"] + spec["steps"]):
-                start, noise_before = time.perf_counter(), sum(drawn or ())
+                if drawn is not None:
+                    drawn.clear()  # this step's draws only
+                start = time.perf_counter()
                 step(ids, mask)
                 _synchronize(device)
                 if i >= spec["warmup"]:
                     times.append(time.perf_counter() - start)
                     if drawn is not None:
-                        noise_times.append(sum(drawn) - noise_before)
+                        noise_times.append(sum(drawn))
         close()
     except Exception as exc:  # an unsupported model or mode is a result, not a crash of the benchmark
         return {"mode": spec["mode"], "status": f"unsupported: {type(exc).__name__}: {exc}".splitlines()[0][:300]}

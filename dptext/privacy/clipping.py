@@ -148,6 +148,13 @@ def check_clipped_sums(sums: dict[nn.Parameter, Tensor], norms: Tensor, units: i
     squares = torch.stack([torch.linalg.vector_norm(
         sums[param], dtype=torch.promote_types(sums[param].dtype, torch.float32)).float().to(norms.device)
         for param in params]).pow(2)
+    return judge_squared_sums(params, squares, units, max_grad_norm, layout, num_groups, tolerance)
+
+
+def judge_squared_sums(params: list[nn.Parameter], squares: Tensor, units: float, max_grad_norm: float,
+                       layout: str, num_groups: int, tolerance: float) -> tuple[nn.Parameter, str] | None:
+    """The invariant's verdict from each parameter's squared clipped-sum norm (``squares[j]`` for ``params[j]``);
+    sharded ghost clipping calls it on squares summed over the ranks."""
     if not bool(torch.isfinite(squares).all()):  # one device sync per check, not one per parameter
         return params[int((~torch.isfinite(squares)).nonzero()[0])], "its clipped sum is not finite"
     if layout == "all_layer":

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.clipping import invariant_tolerance
+from dptext.privacy.clipping import invariant_tolerance, judge_squared_sums
 from dptext.privacy.optimizer import DPOptimizer
 from dptext.privacy.randomness import RandomRoot
 from dptext.privacy.step_checks import invariant_failed
@@ -135,15 +135,11 @@ class ShardedDPOptimizer(DPOptimizer):
         totals = torch.stack(squares + [torch.tensor(float(self.examples_seen), dtype=torch.float64,
                                                      device=squares[0].device)])
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        squares, units = totals[:-1], float(totals[-1])
-        problem = None
-        if not bool(torch.isfinite(squares).all()):
-            problem = int((~torch.isfinite(squares)).nonzero()[0]), "its clipped sum is not finite"
-        elif float(squares.sum().sqrt()) > units * self.max_grad_norm * (1 + invariant_tolerance({torch.float32})):
-            problem = int(squares.argmax()), "the clipped sum exceeds the batch's budget of units × C"
+        problem = judge_squared_sums(list(grads), totals[:-1], float(totals[-1]), self.max_grad_norm, "all_layer", 1,
+                                     invariant_tolerance({torch.float32}))
         if problem is not None:
             self.zero_grad()
-            raise invariant_failed(self.param_names.get(self.params[problem[0]], "?"), problem[1])
+            raise invariant_failed(self.param_names.get(problem[0], "?"), problem[1])
         return grads
 
     def _reduce_scatter(self) -> dict[nn.Parameter, Tensor]:
