@@ -62,33 +62,45 @@ def epsilon_pld(ledger: dict) -> float:
     return float(accountant.get_epsilon(ledger["delta"]))
 
 
-def timing(metrics: list[dict], steps_per_epoch: float) -> dict:
+def timing(records: list[dict], steps_per_epoch: float) -> dict:
     """Training seconds summed over invocations (a resume restarts the clock) and seconds per epoch.
 
-    Seconds per epoch uses only the intervals between logged steps with no evaluation inside them."""
-    segments, last, train_time, train_steps, evaluated = [], None, 0.0, 0, False
-    for record in metrics:
-        if "split" in record:
-            evaluated = True
-            continue
-        if "seconds" not in record:
+    ``records`` are the run's timed step records in the order written (``step`` and ``seconds``) and its evaluation
+    records (``step`` and ``split``), in one list or in two concatenated. Seconds per epoch uses only the intervals
+    between logged steps with no evaluation inside them (an evaluation at step s follows the log line of step s)."""
+    evaluations = sorted({record["step"] for record in records if "split" in record})
+    segments, last, train_time, train_steps = [], None, 0.0, 0
+    for record in records:
+        if "seconds" not in record or "split" in record:
             continue
         if last is None or record["seconds"] < last["seconds"]:  # a new invocation (resume)
             segments.append(0.0)
-        elif not evaluated:
+        elif not any(last["step"] <= step < record["step"] for step in evaluations):
             train_time += record["seconds"] - last["seconds"]
             train_steps += record["step"] - last["step"]
         segments[-1] = record["seconds"]
-        last, evaluated = record, False
+        last = record
     per_epoch = train_time / train_steps * steps_per_epoch if train_steps else None
     return {"train_seconds": sum(segments), "seconds_per_epoch": per_epoch, "invocations": len(segments)}
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def timed_records(run_dir: Path) -> list[dict]:
+    """The run's clock: the not-covered diagnostics file holds it since the release registry (issue 14) moved the
+    per-step seconds out of metrics.jsonl; older runs kept it in metrics.jsonl."""
+    records = read_jsonl(run_dir / "diagnostics_not_private.jsonl") + read_jsonl(run_dir / "metrics.jsonl")
+    return [record for record in records if "seconds" in record and "split" not in record]
+
+
 def entry(run_dir: Path, metric_names: dict) -> dict:
     result, provenance = read_json(run_dir / "result.json"), read_json(run_dir / "provenance.json")
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evaluations = [record for record in read_jsonl(run_dir / "metrics.jsonl") if "split" in record]
+    timed = timed_records(run_dir)
     privacy = result["privacy"]
-    clock = timing(metrics, 1.0 / privacy["sample_rate"])
+    clock = timing(timed + evaluations, 1.0 / privacy["sample_rate"])
     out = {name: result["metrics"][key] for name, key in metric_names.items()}
     out.update(private=privacy["private"], epsilon_rdp=None, epsilon_pld=None)
     if privacy["private"]:
@@ -103,16 +115,10 @@ def entry(run_dir: Path, metric_names: dict) -> dict:
         expected_batch_size=privacy["expected_batch_size"], dataset_size=privacy["dataset_size"],
         steps=result.get("steps_run", privacy["steps"]), planned_steps=privacy["steps"],
         selection=result.get("selection"), **clock,
-        wall_seconds=clock["train_seconds"] - (clock_last(metrics) or 0.0) + result["seconds"],
+        wall_seconds=clock["train_seconds"] - (timed[-1]["seconds"] if timed else 0.0) + result["seconds"],
         machine=f"{provenance['platform']} ({provenance['machine']}), {_cpus(provenance)}",
         commit=provenance["git_revision"])
     return out
-
-
-def clock_last(metrics: list[dict]) -> float | None:
-    """Seconds of the last invocation's last logged step (its full time is result.json's seconds)."""
-    timed = [r["seconds"] for r in metrics if "seconds" in r and "split" not in r]
-    return timed[-1] if timed else None
 
 
 def _recipe_value(resolved: str, key: str):

@@ -78,6 +78,20 @@ def _fake_run(folder: Path, ser: float, validation: float, lr: float, private: b
     (folder / "resolved.yaml").write_text(f"train:\n  learning_rate: {lr}\n")
 
 
+def test_the_clock_comes_from_the_diagnostics_file_where_runs_now_write_it(tmp_path):
+    """Since the release registry, per-step seconds go to the not-covered diagnostics file, not metrics.jsonl: a
+    collector reading only metrics.jsonl reported 0 training seconds and the last invocation's time as the wall."""
+    folder = tmp_path / "run"
+    _fake_run(folder, ser=5.0, validation=6.0, lr=1e-3)
+    (folder / "metrics.jsonl").write_text('{"step": 10, "epsilon": 1.0}\n{"step": 20, "epsilon": 2.0}\n'
+                                          '{"step": 20, "split": "test", "ser": 5.0}\n')
+    (folder / "diagnostics_not_private.jsonl").write_text(  # two invocations: the second resumed from step 10
+        '{"step": 10, "loss": 1.0, "seconds": 30.0}\n{"step": 20, "loss": 0.9, "seconds": 25.0}\n')
+    row = collect.entry(folder, {"ser": "ser"})
+    assert row["invocations"] == 2 and row["train_seconds"] == 30.0 + 25.0
+    assert row["wall_seconds"] == 30.0 + 12.0  # earlier invocations' logged time + the last one's whole time
+
+
 def test_search_waits_for_every_candidate_then_picks_on_validation_not_test(tmp_path, monkeypatch):
     runs, out = tmp_path / "runs", tmp_path / "results"
     _fake_run(runs / "atis-dpsgd-eps8-lr5e-4", ser=20.0, validation=30.0, lr=5e-4)
