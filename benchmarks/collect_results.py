@@ -29,6 +29,10 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dptext.runs import DIAGNOSTICS, RunDir  # noqa: E402  (after the path: runs from a checkout without installing)
+
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 LOWER_IS_BETTER = {"ser", "perplexity"}
@@ -68,7 +72,7 @@ def timing(records: list[dict], steps_per_epoch: float) -> dict:
     ``records`` are the run's timed step records in the order written (``step`` and ``seconds``) and its evaluation
     records (``step`` and ``split``), in one list or in two concatenated. Seconds per epoch uses only the intervals
     between logged steps with no evaluation inside them (an evaluation at step s follows the log line of step s)."""
-    evaluations = sorted({record["step"] for record in records if "split" in record})
+    evaluations = {record["step"] for record in records if "split" in record}
     segments, last, train_time, train_steps = [], None, 0.0, 0
     for record in records:
         if "seconds" not in record or "split" in record:
@@ -84,23 +88,14 @@ def timing(records: list[dict], steps_per_epoch: float) -> dict:
     return {"train_seconds": sum(segments), "seconds_per_epoch": per_epoch, "invocations": len(segments)}
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def timed_records(run_dir: Path) -> list[dict]:
-    """The run's clock: the not-covered diagnostics file holds it since the release registry (issue 14) moved the
-    per-step seconds out of metrics.jsonl; older runs kept it in metrics.jsonl."""
-    records = read_jsonl(run_dir / "diagnostics_not_private.jsonl") + read_jsonl(run_dir / "metrics.jsonl")
-    return [record for record in records if "seconds" in record and "split" not in record]
-
-
 def entry(run_dir: Path, metric_names: dict) -> dict:
     result, provenance = read_json(run_dir / "result.json"), read_json(run_dir / "provenance.json")
-    evaluations = [record for record in read_jsonl(run_dir / "metrics.jsonl") if "split" in record]
-    timed = timed_records(run_dir)
+    # The per-step clock is in the not-covered diagnostics file since the release registry (issue 14), in
+    # metrics.jsonl before it; the evaluations are in metrics.jsonl.
+    run = RunDir(run_dir)
+    records = run.read_metrics(DIAGNOSTICS) + run.read_metrics()
     privacy = result["privacy"]
-    clock = timing(timed + evaluations, 1.0 / privacy["sample_rate"])
+    clock = timing(records, 1.0 / privacy["sample_rate"])
     out = {name: result["metrics"][key] for name, key in metric_names.items()}
     out.update(private=privacy["private"], epsilon_rdp=None, epsilon_pld=None)
     if privacy["private"]:
@@ -115,10 +110,16 @@ def entry(run_dir: Path, metric_names: dict) -> dict:
         expected_batch_size=privacy["expected_batch_size"], dataset_size=privacy["dataset_size"],
         steps=result.get("steps_run", privacy["steps"]), planned_steps=privacy["steps"],
         selection=result.get("selection"), **clock,
-        wall_seconds=clock["train_seconds"] - (timed[-1]["seconds"] if timed else 0.0) + result["seconds"],
+        wall_seconds=clock["train_seconds"] - (clock_last(records) or 0.0) + result["seconds"],
         machine=f"{provenance['platform']} ({provenance['machine']}), {_cpus(provenance)}",
         commit=provenance["git_revision"])
     return out
+
+
+def clock_last(records: list[dict]) -> float | None:
+    """Seconds of the last invocation's last logged step (its full time is result.json's seconds)."""
+    timed = [r["seconds"] for r in records if "seconds" in r and "split" not in r]
+    return timed[-1] if timed else None
 
 
 def _recipe_value(resolved: str, key: str):
