@@ -5,8 +5,9 @@
     python benchmarks/bench_grid.py --table benchmarks/results/bench_cpu_grid.json   # print the table
     python benchmarks/bench_grid.py --readme benchmarks/results/bench_cpu_grid.json  # put it into README.md
 
-Each cell (model, T, B) runs its modes round-robin, every mode in a fresh subprocess (dptext.bench.measure: the
-median step time, the subprocess's peak RSS), and appends its rows to the JSON as soon as it is done, so an
+Each cell (model, T, B) runs its modes round-robin, every mode in a fresh subprocess (dptext.bench.measure_mode:
+the median step time under the allocator's defaults, the peak RSS of a second subprocess that returns freed memory
+to the OS, see dptext.bench.MEMORY_ENV), and appends its rows to the JSON as soon as it is done, so an
 interrupted grid resumes where it stopped: finished cells are skipped. Every row carries the machine, date,
 commit and the load average around its cell, since on a shared machine the ratios are only as good as the load
 was even. opacus refuses tied embeddings, so SmolLM2 runs it on an untied copy (``opacus_untied``).
@@ -62,16 +63,17 @@ def measure_cell(model: str, seq_len: int, batch_size: int, steps: int, warmup: 
             "precision": "fp32", "steps": steps, "warmup": warmup, "max_batch": False}
     load_before, measured_commit = load_average(), commit()  # the code the cell starts with
     per_mode: dict[str, list[dict]] = {mode: [] for mode in modes}
-    for _ in range(rounds):
+    for round_index in range(rounds):
         for mode in modes:
-            per_mode[mode].append(bench._run_in_subprocess(dict(spec, mode=mode)))
+            per_mode[mode].append(bench.measure_mode(dict(spec, mode=mode), with_memory=round_index == 0))
     results = [bench.merge_rounds(per_mode[mode]) for mode in modes]
     bench.add_ratios(results)
     context = {"machine": bench.machine_description("cpu"), "date": datetime.date.today().isoformat(),
                "commit": measured_commit, "load_average": [round(load_before, 2), round(load_average(), 2)],
                "steps": steps * rounds}
     return [{"model": model, "seq_len": seq_len, "batch_size": batch_size, "mode": r["mode"], "status": r["status"],
-             "time_s": r.get("step_s"), "peak_mb": r.get("peak_mb"), "time_ratio": r.get("time_ratio"),
+             "time_s": r.get("step_s"), "peak_mb": r.get("peak_mb"),
+             "peak_mb_default_malloc": r.get("peak_mb_default_malloc"), "time_ratio": r.get("time_ratio"),
              "memory_ratio": r.get("memory_ratio"), "noise_s": r.get("noise_s"), **context} for r in results]
 
 

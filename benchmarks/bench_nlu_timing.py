@@ -34,6 +34,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dptext.runs import RunDir  # noqa: E402  (after the path: runs from a checkout without installing)
+
 METHODS = {  # method -> (recipe variant, overrides)
     "nonprivate": ("dpsgd", ["privacy.enabled=false"]),  # the same recipe without clipping or noise
     "per_sample": ("dpsgd", ["privacy.clipping_mode=per_sample"]),
@@ -74,7 +78,7 @@ def time_one(dataset: str, method: str, processes: int, args, scratch: Path) -> 
     # per-step wall time is an un-noised diagnostic (it grows with the realised batch): it lives apart from
     # metrics.jsonl, in the not-covered diagnostics file
     steps = [json.loads(line) for line in (out / "diagnostics_not_private.jsonl").read_text().splitlines()]
-    seconds = [r["seconds"] for r in steps]
+    seconds = [r["seconds"] for r in steps if "seconds" in r]  # not the run's "finished" total
     result = json.loads((out / "result.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     step_s = (seconds[-1] - seconds[0]) / (len(seconds) - 1)  # steps 2..S
@@ -202,7 +206,7 @@ def ser_table(run_dirs: list[str]) -> str:
         delta = f"{privacy['delta']:.0e}" if privacy["private"] else "—"
         lines.append(f"| {result['recipe']} | {privacy['dataset_size']} | {privacy['steps']} | {eps} | {delta} | "
                      f"{scores['ser']:.2f} | {scores['intent_acc']:.2f} | {scores['slot_f1']:.2f} | "
-                     f"{result['seconds'] / 60:.1f} |")
+                     f"{RunDir(run_dir).finished_seconds() / 60:.1f} |")
     return "\n".join(lines)
 
 

@@ -10,6 +10,11 @@ import json
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dptext.runs import RunDir  # noqa: E402  (after the path: runs from a checkout without installing)
+
 ROWS = [("pretrained", "pretrained teacher model, no training"), ("teacher-eps2", "teacher (DP-SGD)"),
         ("teacher-eps1", "DPKD teacher (DP-SGD)"),
         ("zero_shot", "zero-shot student"), ("dp_sgd", "DP-SGD student"), ("dpkd", "DPKD student"),
@@ -29,7 +34,7 @@ def row(run: Path, label: str) -> dict | None:
     model = (f"{student['source']} {len(student['layers'])}/{student['source_layers']} layers "
              f"({student['parameters'] / 1e6:.1f}M)") if student else result["model"]
     return {"run": run.name, "method": label, "model": model, "epsilon": claim["epsilon"], "delta": claim["delta"],
-            "test_perplexity": result["metrics"].get("perplexity"), "seconds": result.get("seconds"),
+            "test_perplexity": result["metrics"].get("perplexity"), "seconds": RunDir(run).finished_seconds(),
             "steps": result.get("privacy", {}).get("steps")}
 
 
@@ -45,7 +50,8 @@ def main(argv: list[str]) -> int:
         eps = f"{r['epsilon']:.3g}" if r["epsilon"] is not None else "—"
         delta = f"{r['delta']:.2g}" if r["delta"] else "0"
         ppl = f"{r['test_perplexity']:.4g}" if r["test_perplexity"] is not None else "—"
-        print(f"| {r['method']} | {r['model']} | {eps} | {delta} | {ppl} | {r['steps'] or '—'} | {r['seconds']:.0f} |")
+        seconds = f"{r['seconds']:.0f}" if r["seconds"] is not None else "—"
+        print(f"| {r['method']} | {r['model']} | {eps} | {delta} | {ppl} | {r['steps'] or '—'} | {seconds} |")
     return 0
 
 

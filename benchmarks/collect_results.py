@@ -110,14 +110,14 @@ def entry(run_dir: Path, metric_names: dict) -> dict:
         expected_batch_size=privacy["expected_batch_size"], dataset_size=privacy["dataset_size"],
         steps=result.get("steps_run", privacy["steps"]), planned_steps=privacy["steps"],
         selection=result.get("selection"), **clock,
-        wall_seconds=clock["train_seconds"] - (clock_last(records) or 0.0) + result["seconds"],
+        wall_seconds=clock["train_seconds"] - (clock_last(records) or 0.0) + run.finished_seconds(),
         machine=f"{provenance['platform']} ({provenance['machine']}), {_cpus(provenance)}",
         commit=provenance["git_revision"])
     return out
 
 
 def clock_last(records: list[dict]) -> float | None:
-    """Seconds of the last invocation's last logged step (its full time is result.json's seconds)."""
+    """Seconds of the last invocation's last logged step (its full time: ``RunDir.finished_seconds``)."""
     timed = [r["seconds"] for r in records if "seconds" in r and "split" not in r]
     return timed[-1] if timed else None
 

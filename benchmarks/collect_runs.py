@@ -9,6 +9,11 @@ import json
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dptext.runs import RunDir  # noqa: E402  (after the path: runs from a checkout without installing)
+
 
 def row(run_dir: Path) -> list[str]:
     result = json.loads((run_dir / "result.json").read_text())
@@ -20,7 +25,11 @@ def row(run_dir: Path) -> list[str]:
         budget = "non-private"
     metrics = result["metrics"]
     cells = [f"{metrics[name]:.2f}" if name in metrics else "-" for name in ("bleu", "rouge_l", "perplexity", "accuracy")]
-    return [result["recipe"], budget, *cells, str(privacy["steps"]), f"{result['seconds'] / 60:.1f}"]
+    return [result["recipe"], budget, *cells, str(privacy["steps"]), _minutes(RunDir(run_dir).finished_seconds())]
+
+
+def _minutes(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 60:.1f}"
 
 
 def main(paths: list[str]) -> None:

@@ -4,8 +4,9 @@ For one model, sequence length T and batch size B, every mode runs in a fresh su
 its own): non-private training, our three clipping modes, and opacus' ghost clipping when opacus is installed.
 Each reports the median step time over repeated steps after warm-up (over several round-robin rounds with
 ``rounds`` > 1) and the peak memory (GPU:
-``torch.cuda.max_memory_allocated``; CPU: the subprocess's peak RSS, and that peak minus the RSS after
-loading the model, i.e. what the training step itself needs). On GPU each mode also finds its largest
+``torch.cuda.max_memory_allocated``; CPU: the peak RSS of a second, short subprocess that returns every freed
+block to the OS, and that peak minus the RSS after loading the model, i.e. what the training step itself
+needs; see ``MEMORY_ENV``). On GPU each mode also finds its largest
 batch by doubling and then bisecting until CUDA runs out of memory. Ratios are to the non-private run.
 
 opacus refuses tied embeddings in ghost-clipping mode, so on a tied model its row says "unsupported" with
@@ -33,10 +34,18 @@ MODES = ("nonprivate",) + OURS + ("opacus", "opacus_untied")
 
 # ---------------------------------------------------------------------------- the parent process
 
-def _run_in_subprocess(spec: dict) -> dict:
-    # A fixed mmap threshold makes glibc return freed tensors to the OS, so peak RSS measures the peak of live
-    # memory rather than heap fragmentation (glibc otherwise raises the threshold after the first large free).
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MALLOC_MMAP_THRESHOLD_": "131072"}
+# The clock runs under the C allocator's defaults, as ``dptext finetune`` does. CPU peak memory is read in a
+# second, short subprocess with a fixed mmap threshold: glibc then returns every freed block over 128 KiB to the
+# OS, so the peak RSS is the peak of live memory, not of heap fragmentation (by default glibc raises the threshold
+# after the first large free and keeps freed blocks in the heap). That regime must not be the one timed: every
+# new tensor then costs a page fault per 4 KiB page, about 30 % of a step in kernel time on a 2-core CPU, and
+# more for the modes that allocate more, so it inflated both the step times and their ratios.
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+MEMORY_STEPS = {"warmup": 1, "steps": 1}  # the peak of a step after the first: buffers built lazily count
+
+
+def _run_in_subprocess(spec: dict, env: dict | None = None) -> dict:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "dptext.bench", json.dumps(spec)], capture_output=True,
                           text=True, env=env)
     lines = proc.stdout.strip().splitlines()
@@ -44,6 +53,23 @@ def _run_in_subprocess(spec: dict) -> dict:
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return {"mode": spec["mode"], "status": f"failed: {reason[:300]}"}
     return json.loads(lines[-1])
+
+
+def measure_mode(spec: dict, with_memory: bool) -> dict:
+    """One mode, one round: the timed subprocess and, on CPU when ``with_memory``, the memory subprocess whose
+    peak RSS becomes ``peak_mb``/``step_mb``. The timed run's own peak (allocator defaults, fragmentation
+    included) is kept as ``peak_mb_default_malloc``; a round without the memory run reports only that."""
+    timed = _run_in_subprocess(spec)
+    if spec["device"] != "cpu" or timed["status"] != "ok":
+        return timed
+    timed["peak_mb_default_malloc"] = timed.pop("peak_mb")
+    timed.pop("step_mb", None)
+    if not with_memory:
+        return timed
+    memory = _run_in_subprocess(dict(spec, **MEMORY_STEPS, max_batch=False), MEMORY_ENV)
+    if memory["status"] != "ok":
+        return memory
+    return dict(timed, peak_mb=memory["peak_mb"], step_mb=memory["step_mb"])
 
 
 def add_ratios(results: list[dict]) -> None:
@@ -67,7 +93,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
     if all("noise_times_s" in r for r in rounds):
         merged["noise_times_s"] = [t for r in rounds for t in r["noise_times_s"]]
         merged["noise_s"] = statistics.median(merged["noise_times_s"])
-    for key in ("peak_mb", "step_mb", "max_batch"):
+    for key in ("peak_mb", "step_mb", "peak_mb_default_malloc", "max_batch"):
         values = [r[key] for r in rounds if key in r]
         if values:
             merged[key] = max(values)
@@ -92,7 +118,7 @@ def run(model: str, seq_len: int, batch_size: int, device: str = "auto", steps: 
     for round_index in range(rounds):
         for mode in modes:
             search = max_batch and device.startswith("cuda") and round_index == 0
-            per_mode[mode].append(_run_in_subprocess(dict(setup, mode=mode, max_batch=search)))
+            per_mode[mode].append(measure_mode(dict(setup, mode=mode, max_batch=search), round_index == 0))
             if progress is not None:
                 progress(mode, per_mode[mode][-1])
     results = [merge_rounds(per_mode[mode]) for mode in modes]

@@ -80,7 +80,8 @@ RUN_ENTRIES = (
           "ε depends on the settings only; evaluation scores are post-processing of the DP model on the "
           "evaluation split (which is not a training set: ε says nothing about its records)", dp_result=True),
     Entry("diagnostics_not_private.jsonl", NOT_COVERED,
-          "per logged step: exact mean training loss, realised Poisson batch size, seconds",
+          "per logged step: exact mean training loss, realised Poisson batch size, seconds; the run's total "
+          "seconds",
           "un-noised statistics of the sampled private batches: the batch size alone tells whether a record "
           "was sampled"),
     Entry("result.json", COVERED, "final evaluation, privacy summary, settings", "as metrics.jsonl",

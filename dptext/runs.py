@@ -5,7 +5,7 @@ Layout of ``runs/<recipe>-<timestamp>/`` (or ``--out``)::
     resolved.yaml        the recipe after defaults and overrides (what actually ran)
     provenance.json      git revision, package versions, command line, machine
     metrics.jsonl        one JSON object per logged step / evaluation: step, ε spent, evaluation metrics
-    diagnostics_not_private.jsonl   exact per-step loss and realised batch size (NOT covered by ε)
+    diagnostics_not_private.jsonl   per-step loss, realised batch size, clock; the run's seconds (NOT covered by ε)
     ledger.json          privacy state: q, σ per step, δ, ε per accountant
     checkpoints/         step-00000123.pt files plus LATEST, each written atomically
     result.json          the final summary, written when the run completes
@@ -248,6 +248,15 @@ class RunDir:
     def load_result(self) -> dict[str, Any] | None:
         path = self.path / RESULT
         return json.loads(path.read_text()) if path.exists() else None
+
+    def finished_seconds(self) -> float | None:
+        """Wall seconds of the invocation that finished the run: the diagnostics' ``finished`` record (runs write
+        it there, not into the covered result.json, since it is a timing side channel), or an older run's
+        result.json ``seconds``; None for an unfinished run."""
+        finished = [r["total_seconds"] for r in self.read_metrics(DIAGNOSTICS) if r.get("event") == "finished"]
+        if finished:
+            return finished[-1]
+        return (self.load_result() or {}).get("seconds")
 
     # ------------------------------------------------------------------ checkpoints
     @property

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from dptext.bench import add_ratios
+from dptext import bench as bench_module
+from dptext.bench import MEMORY_ENV, add_ratios
 
 
 def test_ratios_are_relative_to_the_non_private_run():
@@ -18,6 +19,38 @@ def test_ratios_are_relative_to_the_non_private_run():
     add_ratios(results)
     assert results[1]["time_ratio"] == 1.5 and results[1]["memory_ratio"] == pytest.approx(1.1)
     assert results[1]["step_memory_ratio"] == 2.0 and "time_ratio" not in results[2]
+
+
+def test_the_clock_runs_under_the_allocator_defaults_and_memory_in_its_own_subprocess(monkeypatch):
+    calls = []
+
+    def fake_subprocess(spec, env=None):
+        calls.append((spec, env))
+        peak = 100.0 if env == MEMORY_ENV else 130.0  # the default allocator keeps fragmentation in the RSS
+        return {"mode": spec["mode"], "status": "ok", "step_s": 1.0, "times_s": [1.0] * spec["steps"],
+                "peak_mb": peak, "step_mb": peak - 50}
+
+    monkeypatch.setattr(bench_module, "_run_in_subprocess", fake_subprocess)
+    spec = {"mode": "bookkeeping", "device": "cpu", "steps": 3, "warmup": 2, "max_batch": False}
+    first = bench_module.measure_mode(spec, with_memory=True)
+    assert [env for _, env in calls] == [None, MEMORY_ENV] and calls[1][0]["steps"] == 1
+    assert first["peak_mb"] == 100.0 and first["step_mb"] == 50.0 and first["peak_mb_default_malloc"] == 130.0
+    later = bench_module.measure_mode(spec, with_memory=False)
+    assert len(calls) == 3 and "peak_mb" not in later and "step_mb" not in later
+    merged = bench_module.merge_rounds([first, later])
+    assert merged["peak_mb"] == 100.0 and merged["peak_mb_default_malloc"] == 130.0
+    assert len(merged["times_s"]) == 6
+
+
+def test_a_failed_memory_subprocess_fails_the_mode(monkeypatch):
+    def fake_subprocess(spec, env=None):
+        if env == MEMORY_ENV:
+            return {"mode": spec["mode"], "status": "failed: killed"}
+        return {"mode": spec["mode"], "status": "ok", "step_s": 1.0, "times_s": [1.0], "peak_mb": 1.0}
+
+    monkeypatch.setattr(bench_module, "_run_in_subprocess", fake_subprocess)
+    result = bench_module.measure_mode({"mode": "ghost", "device": "cpu", "steps": 1}, with_memory=True)
+    assert result["status"] == "failed: killed"
 
 
 @pytest.mark.integration

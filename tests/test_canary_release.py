@@ -93,7 +93,7 @@ def test_synth_distill_and_decode_hold_no_canary(data, tmp_path, capsys, monkeyp
     assert checked["check"]["parameters"] > 0
     bench = tmp_path / "bench"
     # each mode in this process, not a fresh one (that isolation only sharpens the peak-memory figure)
-    monkeypatch.setattr(benchmark, "_run_in_subprocess", benchmark.measure)
+    monkeypatch.setattr(benchmark, "_run_in_subprocess", lambda spec, env=None: benchmark.measure(spec))
     report = cli(capsys, "bench-memory", str(teacher / "model"), "--seq-len", "8", "--batch-size", "2", "--steps", "1",
         "--warmup", "0", "--modes", "bookkeeping", "--out", str(bench))
     assert [r["status"] for r in report["results"]] == ["ok"]

@@ -92,6 +92,21 @@ def test_the_clock_comes_from_the_diagnostics_file_where_runs_now_write_it(tmp_p
     assert row["wall_seconds"] == 30.0 + 12.0  # earlier invocations' logged time + the last one's whole time
 
 
+def test_the_wall_time_comes_from_the_diagnostics_finished_record_not_result_json(tmp_path):
+    """Runs no longer put their total seconds into the covered result.json (a timing side channel)."""
+    folder = tmp_path / "run"
+    _fake_run(folder, ser=5.0, validation=6.0, lr=1e-3)
+    result = json.loads((folder / "result.json").read_text())
+    del result["seconds"]
+    (folder / "result.json").write_text(json.dumps(result))
+    (folder / "metrics.jsonl").write_text('{"step": 20, "split": "test", "ser": 5.0}\n')
+    (folder / "diagnostics_not_private.jsonl").write_text(
+        '{"step": 10, "loss": 1.0, "seconds": 30.0}\n{"step": 20, "loss": 0.9, "seconds": 25.0}\n'
+        '{"event": "finished", "step": 20, "total_seconds": 40.0}\n')
+    row = collect.entry(folder, {"ser": "ser"})
+    assert row["train_seconds"] == 30.0 + 25.0 and row["wall_seconds"] == 30.0 + 40.0
+
+
 def test_search_waits_for_every_candidate_then_picks_on_validation_not_test(tmp_path, monkeypatch):
     runs, out = tmp_path / "runs", tmp_path / "results"
     _fake_run(runs / "atis-dpsgd-eps8-lr5e-4", ser=20.0, validation=30.0, lr=5e-4)

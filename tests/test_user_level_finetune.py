@@ -181,7 +181,7 @@ def test_resume_is_exact_under_user_level_sampling(tmp_path, interrupt_training)
                    .splitlines()]
     again = [json.loads(line) for line in (tmp_path / "b" / "diagnostics_not_private.jsonl").read_text()
              .splitlines()]
-    assert [d["batch_size"] for d in diagnostics] == [d["batch_size"] for d in again]
+    assert [d.get("batch_size") for d in diagnostics] == [d.get("batch_size") for d in again]
 
 
 REFUSALS = [
