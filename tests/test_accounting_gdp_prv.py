@@ -119,7 +119,7 @@ def test_prv_prefix_counts_follow_the_runs():
 
 def test_prv_refuses_meaningless_epsilon_and_reports_it():
     result = compute_epsilon("prv", [StepRun(0.5, 0.3, 1000)], 1e-5)
-    assert result.epsilon is None and "not computed" in result.note
+    assert result.epsilon is None and "use the PLD bound" in result.note
 
 
 def test_prv_is_monotone_in_steps_rate_and_noise():
@@ -145,5 +145,5 @@ def test_prv_reports_not_computed_where_the_package_cannot_discretise():
     from dptext.accounting import StepRun, compute_all
 
     results = {r.method: r for r in compute_all([StepRun(0.125, 0.7257, 24)], 2.5e-4)}
-    assert results["prv"].epsilon is None and "not computed" in results["prv"].note
+    assert results["prv"].epsilon is None and "use the PLD bound" in results["prv"].note
     assert results["rdp"].epsilon is not None and results["gdp"].epsilon is not None

@@ -35,7 +35,7 @@ def test_pld_answers_where_prv_cannot():
     """The quickstart's σ ≈ 0.71: PRV's discretisation fails, the summary must still show a tight bound."""
     runs = [StepRun(0.125, 0.7058, 16)]
     results = {r.method: r for r in compute_all(runs, 8.333e-5)}
-    assert results["prv"].epsilon is None and "not computed" in results["prv"].note
+    assert results["prv"].epsilon is None and "use the PLD bound" in results["prv"].note
     assert 5.0 < results["pld"].epsilon < results["rdp"].epsilon  # 6.68 against RDP's 8.0
 
 
@@ -61,3 +61,20 @@ def test_only_accountants_with_a_guarantee_may_calibrate_training():
         assert check_training_accountant(method) == method
     with pytest.raises(UserError, match="approximation"):
         check_training_accountant("gdp")
+
+
+def test_the_finetune_summary_never_says_not_computed(capsys):
+    """Issue 16: at the quickstart's σ the summary's PRV row points to the PLD bound, which it prints."""
+    from dptext.cli.finetune import render_result
+    from dptext.output import Output
+
+    results = compute_all([StepRun(0.125, 0.7058, 16)], 8.333e-5)
+    privacy = {"private": True, "accountant": "rdp", "epsilon": {r.method: r.to_dict() for r in results},
+               "delta": 8.333e-5, "noise_multiplier": 0.7058, "max_grad_norm": 0.1, "steps": 16,
+               "expected_batch_size": 750.0}
+    result = {"eval_split": "validation", "metrics": {"accuracy": 75.0}, "metrics_before_training": {},
+              "privacy": privacy, "seconds": 1.0, "recipe": "quickstart", "model": "m", "task": "classification",
+              "primary_metric": "accuracy", "run_dir": "runs/q", "model_dir": "runs/q/model"}
+    render_result(Output(quiet=False), result)
+    printed = "".join(capsys.readouterr())
+    assert "not computed" not in printed and "see the PLD bound" in printed and "PLD bound" in printed

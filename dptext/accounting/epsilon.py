@@ -86,7 +86,8 @@ def compute_epsilon(method: str, runs: Iterable[StepRun], delta: float, conversi
     try:
         result = prv_epsilon(runs, delta, eps_error=eps_error)
     except PrvOutOfRange as exc:
-        return EpsilonResult("prv", None, note=f"not computed: {exc}")
+        # never a bare "not computed" (issue 16): PLD bounds ε tightly at every σ, and the reason is kept
+        return EpsilonResult("prv", None, note=f"outside PRV's range, use the PLD bound: {exc}")
     note = METHOD_NOTES["prv"]
     if result.merged_noise_levels:
         note += f"; {result.merged_noise_levels} noise levels merged conservatively"

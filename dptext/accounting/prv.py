@@ -86,7 +86,7 @@ class PrvCurve:
         # The RDP bound is cheap and always ≥ the truth: if it is huge, so is the domain.
         rdp_eps, _ = rdp_epsilon(self.runs, self.delta)
         if rdp_eps > MAX_EPSILON:
-            raise PrvOutOfRange(f"ε is beyond {MAX_EPSILON:g} (RDP bound {rdp_eps:.3g}); PRV is not computed there")
+            raise PrvOutOfRange(f"ε is beyond {MAX_EPSILON:g} (RDP bound {rdp_eps:.3g})")
         delta_error = self.delta / 1000
         mechanisms = [PoissonSubsampledGaussianMechanism(sampling_probability=q, noise_multiplier=sigma)
                       for q, sigma, _ in self.levels]

@@ -40,7 +40,7 @@ def render_result(output, result: dict) -> None:
         for method, eps in privacy["epsilon"].items():
             label = {"rdp": "ε (RDP bound)", "prv": "ε (PRV estimate [lower, upper])", "pld": "ε (PLD bound)",
                      "gdp": "ε (GDP, CLT approximation)"}[method]
-            value = eps["epsilon"] if eps["epsilon"] is not None else "not computed (see ledger.json)"
+            value = eps["epsilon"] if eps["epsilon"] is not None else "— (outside PRV's range: see the PLD bound)"
             if method == "prv" and eps.get("lower") is not None:
                 value = f"{eps['epsilon']:.4g} [{eps['lower']:.4g}, {eps['upper']:.4g}]"
             rows.append([label, value, None])
