@@ -51,6 +51,8 @@ def _run_in_subprocess(spec: dict, env: dict | None = None) -> dict:
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        if proc.returncode == -9:  # SIGKILL leaves no traceback: on Linux, almost always the OOM killer
+            reason = "killed (SIGKILL), most likely out of memory"
         return {"mode": spec["mode"], "status": f"failed: {reason[:300]}"}
     return json.loads(lines[-1])
 
