@@ -24,7 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = {"defaults": {}, "threshold 128 KiB": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+from bench_grid import MODELS  # noqa: E402  (the model -> head map of the grid; this script's folder is on the path)
+
+from dptext.bench import MEMORY_ENV  # noqa: E402
+
+SETTINGS = {"defaults": {}, "threshold 128 KiB": MEMORY_ENV}
 MODES = ("nonprivate", "bookkeeping")
 
 
@@ -36,8 +40,8 @@ def measure(mode: str, model_name: str, seq_len: int, batch_size: int, steps: in
     from dptext.models import load_model
 
     torch.manual_seed(0)
-    head = "sequence_classification" if model_name == "minilm-l6" else "causal_lm"
-    model, _ = load_model(model_name, head=head, num_labels=2 if head != "causal_lm" else None)
+    head = MODELS[model_name][0]
+    model, _ = load_model(model_name, head=head, num_labels=2 if head == "sequence_classification" else None)
     model.train()
     ids, mask = _batch(model.config.vocab_size, batch_size, seq_len, torch.device("cpu"))
     step, close = _make_step(mode, model, batch_size)
@@ -57,7 +61,7 @@ def measure(mode: str, model_name: str, seq_len: int, batch_size: int, steps: in
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)

@@ -68,7 +68,7 @@ def measure_mode(spec: dict, with_memory: bool) -> dict:
     timed.pop("step_mb", None)
     if not with_memory:
         return timed
-    memory = _run_in_subprocess(dict(spec, **MEMORY_STEPS, max_batch=False), MEMORY_ENV)
+    memory = _run_in_subprocess(dict(spec, **MEMORY_STEPS), MEMORY_ENV)
     if memory["status"] != "ok":
         return memory
     return dict(timed, peak_mb=memory["peak_mb"], step_mb=memory["step_mb"])
