@@ -39,6 +39,15 @@ def micro_batches(indices: list[int], size: int):
         yield indices[start:start + size]
 
 
+def shortest_first(examples: Any, indices: list[int]) -> list[int]:
+    """The sampled rows ordered by length (a stable sort) before they are cut into micro-batches.
+
+    A micro-batch pads to its longest row: SST-2 batches of 1,000 cut in sampled order into micro-batches of 50 pad
+    to 3.2x the real tokens, sorted to 1.1x. The step's clipped sum (and the non-private mean) does not depend on
+    which micro-batch a row is in, so the order changes the cost, not the result."""
+    return sorted(indices, key=lambda i: len(examples[i].input_ids))
+
+
 def _autocast(training: Any):
     if training.autocast_dtype is None:
         return contextlib.nullcontext()
@@ -50,7 +59,8 @@ def chunks_of(training: Any, indices: list[int], users: list[int] | None):
     inside one, so each user's rows reach the engine in one accumulate call and are clipped together."""
     if users is not None:
         return micro_batches_by_user(indices, users, training.physical_batch_size)
-    chunks = sharding.same_count_on_every_rank(training, micro_batches(indices, training.physical_batch_size))
+    ordered = shortest_first(training.examples, indices)
+    chunks = sharding.same_count_on_every_rank(training, micro_batches(ordered, training.physical_batch_size))
     return ((chunk, None) for chunk in chunks)
 
 
