@@ -3,7 +3,7 @@
     python benchmarks/collect_results.py collect /work/results-runs   # JSON files + README block
     python benchmarks/collect_results.py readme                      # README block from the JSON files only
 
-Which run feeds which entry is fixed below (the job names of benchmarks/jobs.txt and jobs_dp.txt). An
+Which run feeds which entry is fixed below (the job names of benchmarks/jobs.txt). An
 entry is written only from a finished run (result.json); an entry with several candidate runs (a
 learning-rate search) is written once every candidate has finished, from the candidate with the best
 VALIDATION value of its selection metric, with the whole search recorded beside it. A missing entry
