@@ -3,7 +3,8 @@
     nohup python benchmarks/results_queue.py benchmarks/jobs.txt >/dev/null 2>&1 &
 
 A job file has one job a line, ``NAME RECIPE [key=value ...]`` (``#`` starts a comment; ``{data}``
-in a value is replaced by ``--data``, the shared data folder). For each job, in file order:
+in a value is replaced by ``--data``, the shared data folder, and ``{runs}`` by ``--runs``, for data a
+benchmark script wrote there, such as the SST-2 tuning split). For each job, in file order:
 
 * ``RUNS/NAME/result.json`` exists: finished, skipped;
 * ``RUNS/NAME`` holds a run (``resolved.yaml``): ``dptext finetune --resume RUNS/NAME``;
@@ -45,7 +46,7 @@ class Job:
     overrides: tuple[str, ...]
 
 
-def read_jobs(path: Path, data: Path) -> list[Job]:
+def read_jobs(path: Path, data: Path, runs: Path = DEFAULT_RUNS) -> list[Job]:
     """The jobs of one job file, in order; raises ValueError naming a malformed line."""
     jobs = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -54,7 +55,7 @@ def read_jobs(path: Path, data: Path) -> list[Job]:
             continue
         if len(words) < 2 or any("=" not in w for w in words[2:]):
             raise ValueError(f"{path}:{number}: expected 'NAME RECIPE [key=value ...]', got {line.strip()!r}")
-        overrides = tuple(w.replace("{data}", str(data)) for w in words[2:])
+        overrides = tuple(w.replace("{data}", str(data)).replace("{runs}", str(runs)) for w in words[2:])
         jobs.append(Job(words[0], words[1], overrides))
     names = [j.name for j in jobs]
     duplicated = {n for n in names if names.count(n) > 1}
@@ -89,7 +90,7 @@ def log(runs: Path, message: str) -> None:
 
 def next_job(job_files: list[Path], runs: Path, data: Path, failed: set[str]) -> Job | None:
     for path in job_files:
-        for job in read_jobs(path, data):
+        for job in read_jobs(path, data, runs):
             if job.name not in failed and state_of(job, runs) != "finished":
                 return job
     return None
@@ -128,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.runs.mkdir(parents=True, exist_ok=True)
     for path in args.jobs:  # a malformed file fails now, not after hours of the jobs before it
-        read_jobs(path, args.data)
+        read_jobs(path, args.data, args.runs)
     if args.list:
         for path in args.jobs:
-            for job in read_jobs(path, args.data):
+            for job in read_jobs(path, args.data, args.runs):
                 print(f"{state_of(job, args.runs):9} {job.name}")
         return 0
     lock = open(args.runs / "queue.lock", "a+")

@@ -23,13 +23,13 @@ def _load(name: str):
 queue = _load("results_queue")
 
 
-def test_job_file_parsing_substitutes_data_and_rejects_bad_lines(tmp_path):
+def test_job_file_parsing_substitutes_data_and_runs_and_rejects_bad_lines(tmp_path):
     jobs = tmp_path / "jobs.txt"
     jobs.write_text("# a comment\n\natis  recipes/atis.yaml data.path={data}/atis  # trailing\n"
-                    "# disabled recipes/x.yaml\nsst2 recipes/sst2.yaml 'name=with space'\n")
-    parsed = queue.read_jobs(jobs, Path("/d"))
+                    "# disabled recipes/x.yaml\nsst2 recipes/sst2.yaml 'name=with space' data.path={runs}/split\n")
+    parsed = queue.read_jobs(jobs, Path("/d"), Path("/r"))
     assert parsed == [queue.Job("atis", "recipes/atis.yaml", ("data.path=/d/atis",)),
-                      queue.Job("sst2", "recipes/sst2.yaml", ("name=with space",))]
+                      queue.Job("sst2", "recipes/sst2.yaml", ("name=with space", "data.path=/r/split"))]
     jobs.write_text("atis recipes/atis.yaml notanoverride\n")
     with pytest.raises(ValueError, match="jobs.txt:1"):
         queue.read_jobs(jobs, Path("/d"))
