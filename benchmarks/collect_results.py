@@ -59,7 +59,10 @@ FILES = {
                    "edp_eps8": [f"atis-edp-eps8-lr{lr}" for lr in LRS]}),
     "snips": (NLU, {"nonprivate": ["snips-nonprivate"], "dp_sgd_eps8": [f"snips-dpsgd-eps8-lr{lr}" for lr in LRS],
                     "edp_eps8": [f"snips-edp-eps8-lr{lr}" for lr in LRS]}),
-    "quickstart": ({"accuracy": "accuracy"}, {"nonprivate": ["quickstart-nonprivate"], "eps8": ["quickstart-eps8"]}),
+    "quickstart": ({"accuracy": "accuracy"}, {"nonprivate": ["quickstart-nonprivate"],
+                                              "nonprivate_lr5e-4": ["quickstart-nonprivate-lr5e-4"],
+                                              "nonprivate_lr1e-4": ["quickstart-nonprivate-lr1e-4"],
+                                              "eps8": ["quickstart-eps8"]}),
     "e2e_cpu": ({"bleu": "bleu", "rouge_l": "rouge_l", "perplexity": "perplexity"},
                 {"nonprivate": ["e2e-cpu-nonprivate"], "eps8": ["e2e-cpu-eps8"]}),
 }

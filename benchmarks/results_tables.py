@@ -87,12 +87,17 @@ def nlu(name: str, data: dict) -> list[str]:
     return lines
 
 
+QUICKSTART_ROWS = {"eps8": "ε = 8 (the recipe)", "nonprivate": "non-private, the recipe's lr",
+                   "nonprivate_lr5e-4": "non-private, lr 5e-4", "nonprivate_lr1e-4": "non-private, lr 1e-4"}
+
+
 def quickstart(data: dict) -> list[str]:
     rows = []
-    for key in ("nonprivate", "eps8"):
+    for key, label in QUICKSTART_ROWS.items():
         e = data.get(key)
-        rows.append([LABELS[key], *([RUNNING] * 3 if e is None else [number(e["accuracy"]), *_privacy(e)])])
-    return _table(["Quickstart (IMDB, MiniLM-L6 top 2)", "accuracy", "ε (RDP)", "ε (PLD)"], rows)
+        ours = [RUNNING] * 4 if e is None else [number(e["accuracy"]), *_privacy(e), f"{e['learning_rate']:g}"]
+        rows.append([label, *ours])
+    return _table(["Quickstart (IMDB, MiniLM-L6 top 2), validation", "accuracy", "ε (RDP)", "ε (PLD)", "lr"], rows)
 
 
 def e2e(data: dict) -> list[str]:
