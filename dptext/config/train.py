@@ -19,8 +19,9 @@ class TrainConfig:
         None, "Stop after this many optimizer steps (overrides epochs for the step count).", ge=1)
     batch_size: int = doc(1024, "Expected logical batch size B (sampling rate q = B/n).", ge=1)
     physical_batch_size: Optional[int] = doc(None, "Micro-batch size per forward pass, cut from the sampled rows "
-                                             "shortest first (little padding); empty picks one that fits memory. "
-                                             "Does not change privacy.", ge=1)
+                                             "shortest first (user-level: users by their longest row), so little "
+                                             "is padding; empty picks one that fits memory. Does not change "
+                                             "privacy.", ge=1)
     seed: int = doc(0, "Seed of the public random choices: initialisation, dropout (and the sampler and noise only "
                     "with privacy.reproducible_noise=true, or for a non-private run).", ge=0)
     device: str = doc("auto", "auto, cpu, cuda or cuda:N.")

@@ -25,7 +25,7 @@ from dptext.errors import RunInterrupted, UserError
 from dptext.finetune import sharded_checkpoint, sharding
 from dptext.finetune.selection import save_best
 from dptext.finetune.seeds import capture_rng_state, restore_rng_state
-from dptext.finetune.user_level import micro_batches_by_user
+from dptext.finetune.user_level import micro_batches_by_user, shortest_users_first
 from dptext.privacy.user_sampler import UserBatch
 from dptext.runs import RunDir
 
@@ -58,7 +58,8 @@ def chunks_of(training: Any, indices: list[int], users: list[int] | None):
     """(rows, their users or None) per micro-batch; with users, micro-batches are split between users, never
     inside one, so each user's rows reach the engine in one accumulate call and are clipped together."""
     if users is not None:
-        return micro_batches_by_user(indices, users, training.physical_batch_size)
+        lengths = [len(training.examples[i].input_ids) for i in indices]
+        return micro_batches_by_user(*shortest_users_first(lengths, indices, users), training.physical_batch_size)
     ordered = shortest_first(training.examples, indices)
     chunks = sharding.same_count_on_every_rank(training, micro_batches(ordered, training.physical_batch_size))
     return ((chunk, None) for chunk in chunks)

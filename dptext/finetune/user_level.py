@@ -48,6 +48,19 @@ def check_single_process(recipe: Any, distributed: bool) -> None:
                         "on one rank); train user-level DP in one process.")
 
 
+def shortest_users_first(lengths: list[int], indices: list[int], users: list[int]) -> tuple[list[int], list[int]]:
+    """(rows, their users) with each user's rows together, users ordered by their longest row (stable) and rows by
+    length within a user, so the micro-batches cut from them pad little (as ``loop.shortest_first`` does for
+    examples). ``lengths[j]`` is the length of row ``indices[j]``. Each user is clipped as one vector in one
+    accumulate call whatever its position, so the order changes the cost, not the clipped sum."""
+    rows_of: dict[int, list[tuple[int, int]]] = {}
+    for index, user, length in zip(indices, users, lengths):
+        rows_of.setdefault(user, []).append((length, index))
+    ordered = sorted(rows_of.items(), key=lambda item: max(length for length, _ in item[1]))
+    rows = [(index, user) for user, own in ordered for _, index in sorted(own, key=lambda row: row[0])]
+    return [index for index, _ in rows], [user for _, user in rows]
+
+
 def micro_batches_by_user(indices: list[int], users: list[int], size: int) -> Iterator[tuple[list[int], list[int]]]:
     """(rows, their users) in micro-batches of at most ``size`` rows that never split a user: a user split over two
     accumulate calls would be clipped to C twice (the engine refuses that too)."""
