@@ -39,7 +39,7 @@ README = ROOT / "README.md"
 LOWER_IS_BETTER = {"ser", "perplexity"}
 NLU = {"ser": "ser", "intent_accuracy": "intent_acc", "slot_f1": "slot_f1"}
 LRS = ("5e-4", "2e-3")
-SST2_LRS = ("1e-4", "2e-4", "5e-4", "1e-3")
+SST2_LRS = ("1e-4", "2e-4", "5e-4", "1e-3", "2e-3")
 
 
 @dataclass(frozen=True)
