@@ -166,7 +166,7 @@ def pick(candidates: list[Path], metric_names: dict) -> dict | None:
 
 
 def pick_tuned(runs: Path, tuned: Tuned, metric_names: dict) -> dict | None:
-    """The final run at the learning rate its tuning runs chose; None until both have finished."""
+    """The final run at the learning rate its tuning runs chose; None until they and that run have finished."""
     tuning = [runs / tuned.tuning.format(lr=lr) for lr in tuned.learning_rates]
     if not all((t / "result.json").is_file() for t in tuning):
         return None
@@ -178,9 +178,9 @@ def pick_tuned(runs: Path, tuned: Tuned, metric_names: dict) -> dict | None:
     if not (final / "result.json").is_file():
         return None
     out = entry(final, metric_names)
-    out["search"] = {"selected_by": f"{metric} of short tuning runs on a split held out of the training set "
+    out["search"] = {"selected_by": f"{metric} of tuning runs on a split held out of the training set "
                                     "(benchmarks/sst2_tuning_split.py); the reported split was not used to choose",
-                     "candidates": [{"run": t.name, "learning_rate": lr, f"tuning_{metric}": scores[lr]}
+                     "candidates": [{"run": t.name, "learning_rate": float(lr), f"tuning_{metric}": scores[lr]}
                                     for lr, t in zip(tuned.learning_rates, tuning)]}
     return out
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from dptext import config  # noqa: E402  (after the path: runs from a checkout without installing)
 from dptext.accounting import plan_for_recipe  # noqa: E402
 from dptext.data.users import user_groups  # noqa: E402
+from dptext.finetune.loop import micro_batches  # noqa: E402
 from dptext.finetune.setup import load_splits  # noqa: E402
 from dptext.finetune.user_level import micro_batches_by_user, shortest_users_first, user_level  # noqa: E402
 from dptext.models import load_tokenizer  # noqa: E402
@@ -37,8 +38,8 @@ def padded_tokens(lengths: list[int], chunks: list[list[int]]) -> int:
 
 
 def example_chunks(indices: list[int], lengths: list[int], size: int, sort: bool) -> list[list[int]]:
-    ordered = sorted(indices, key=lambda i: lengths[i]) if sort else indices
-    return [ordered[start:start + size] for start in range(0, len(ordered), size)]
+    ordered = sorted(indices, key=lambda i: lengths[i]) if sort else indices  # loop.shortest_first, on lengths
+    return list(micro_batches(ordered, size))
 
 
 def user_chunks(indices: list[int], users: list[int], lengths: list[int], size: int, sort: bool) -> list[list[int]]:

@@ -47,7 +47,7 @@ def _hours(entry: dict) -> str:
 def _learning_rate(entry: dict) -> str:
     """The rate used and, for a searched one, the rates it was chosen from."""
     searched = entry.get("search", {}).get("candidates")
-    chosen_from = " (of " + ", ".join(f"{float(c['learning_rate']):g}" for c in searched) + ")" if searched else ""
+    chosen_from = " (of " + ", ".join(f"{c['learning_rate']:g}" for c in searched) + ")" if searched else ""
     return f"{entry['learning_rate']:g}{chosen_from}"
 
 
@@ -95,7 +95,7 @@ def quickstart(data: dict) -> list[str]:
     rows = []
     for key, label in QUICKSTART_ROWS.items():
         e = data.get(key)
-        ours = [RUNNING] * 4 if e is None else [number(e["accuracy"]), *_privacy(e), f"{e['learning_rate']:g}"]
+        ours = [RUNNING] * 4 if e is None else [number(e["accuracy"]), *_privacy(e), _learning_rate(e)]
         rows.append([label, *ours])
     return _table(["Quickstart (IMDB, MiniLM-L6 top 2), validation", "accuracy", "ε (RDP)", "ε (PLD)", "lr"], rows)
 

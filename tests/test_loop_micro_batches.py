@@ -20,6 +20,13 @@ def _examples(lengths):
     return [Example(input_ids=[1] * n, labels=[]) for n in lengths]
 
 
+def _final_weights(recipe, run):
+    """Train ``recipe`` into ``run`` and return the weights of its last checkpoint."""
+    run_finetune(recipe, out=run)
+    latest = (run / "checkpoints" / "LATEST").read_text().strip()
+    return torch.load(run / "checkpoints" / latest, weights_only=False)["model"]
+
+
 def test_shortest_first_is_a_stable_sort_by_length():
     examples = _examples([5, 2, 9, 2, 7, 5])
     assert shortest_first(examples, [0, 1, 2, 3, 4, 5]) == [1, 3, 0, 5, 4, 2]
@@ -45,10 +52,7 @@ def test_a_private_run_ends_at_the_same_weights_whatever_the_micro_batch_size(sh
             "task.type=language_modeling", "train.batch_size=12", "train.max_steps=3",
             f"train.physical_batch_size={physical}", "privacy.target_epsilon=8", "privacy.reproducible_noise=true",
             "train.seed=5", "train.learning_rate=1e-3"])
-        run = tmp_path / f"physical-{physical}"
-        run_finetune(recipe, out=run)
-        latest = (run / "checkpoints" / "LATEST").read_text().strip()
-        weights.append(torch.load(run / "checkpoints" / latest, weights_only=False)["model"])
+        weights.append(_final_weights(recipe, tmp_path / f"physical-{physical}"))
     assert weights[0].keys() == weights[1].keys()
     for name, tensor in weights[0].items():
         torch.testing.assert_close(tensor, weights[1][name], rtol=1e-4, atol=1e-5, msg=name)
@@ -88,9 +92,6 @@ def test_a_user_level_run_ends_at_the_same_weights_whatever_the_micro_batch_size
             "train.batch_size=8", "train.max_steps=3", "train.learning_rate=1e-3", "privacy.target_epsilon=8",
             "privacy.unit=user", "data.user_column=user", "privacy.max_examples_per_user=3",
             f"train.physical_batch_size={physical}", "privacy.reproducible_noise=true", "train.seed=5"])
-        run = tmp_path / f"physical-{physical}"
-        run_finetune(recipe, out=run)
-        latest = (run / "checkpoints" / "LATEST").read_text().strip()
-        weights.append(torch.load(run / "checkpoints" / latest, weights_only=False)["model"])
+        weights.append(_final_weights(recipe, tmp_path / f"physical-{physical}"))
     for name, tensor in weights[0].items():
         torch.testing.assert_close(tensor, weights[1][name], rtol=1e-4, atol=1e-5, msg=name)
