@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from dptext import config  # noqa: E402  (after the path: runs from a checkout without installing)
 from dptext.accounting import plan_for_recipe  # noqa: E402
 from dptext.data.users import user_groups  # noqa: E402
+from dptext.errors import UserError  # noqa: E402
 from dptext.finetune.loop import micro_batches  # noqa: E402
 from dptext.finetune.setup import load_splits  # noqa: E402
 from dptext.finetune.user_level import micro_batches_by_user, shortest_users_first, user_level  # noqa: E402
@@ -83,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="Poisson batches to draw")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    result = measure(config.load_recipe(args.recipe, args.overrides), args.steps, args.seed)
+    try:
+        result = measure(config.load_recipe(args.recipe, args.overrides), args.steps, args.seed)
+    except UserError as error:  # bad recipe, path or data: the one sentence, not a traceback
+        parser.exit(2, f"error: {error}\n")
     for key, value in result.items():
         print(f"{key:34} {value:.3f}" if isinstance(value, float) else f"{key:34} {value}")
     return 0

@@ -32,8 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", type=int, default=2000, help="training sentences held out for tuning")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    header, *rows = (args.source / "train.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
-    train, validation = split_rows(rows, args.held_out, args.seed)
+    source = args.source / "train.tsv"
+    if not source.is_file():
+        parser.error(f"{source} does not exist; give the folder that holds GLUE SST-2's train.tsv")
+    header, *rows = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    try:
+        train, validation = split_rows(rows, args.held_out, args.seed)
+    except ValueError as error:
+        parser.error(f"{error}; choose a smaller --held-out")
     args.out.mkdir(parents=True, exist_ok=True)
     for name, part in (("train.tsv", train), ("dev.tsv", validation)):
         partial = args.out / f".{name}.partial"
