@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import DataCollatorForSeq2Seq, TrainingArguments
 
-from dptext.integrations import DPTrainer, PrivacyArguments  # DP
+from dptext.integrations import DPTrainer, PrivacyArguments, end_process_group  # DP
 from dptext.models import load_model
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "e2e_nlg"
@@ -86,6 +86,7 @@ def main() -> None:
         print(f"validation loss {metrics['eval_loss']:.3f}; ε = {report['epsilon']:.3f} at δ = {report['delta']:.2g} "
               f"after {report['steps']} steps (σ = {report['noise_multiplier']:.3f}, q = {report['sample_rate']:.4f})")
         trainer.save_model(options.out)
+    end_process_group()  # under torchrun every rank leaves the process group together (a no-op in one process)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from dptext.cli.data import PRIVATE_NOTE
 
 from canary_cases import (CANARY, INTENTS, RUNS, TEXT, TINY, assert_no_canary, build_data, canary_token_ids, cli,
                           finetune, run_arguments, sweep, write_recipe)
+from two_ranks import torchrun_failure
 
 pytestmark = pytest.mark.integration
 TORCHRUN_TIMEOUT = 300  # a hang fails the test instead of blocking CI
@@ -88,7 +89,7 @@ def test_torchrun_finetune_holds_no_canary(data, tmp_path):
                *run_arguments("classification", data), "--out", str(run), "--json"]
     done = subprocess.run(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                           text=True, timeout=TORCHRUN_TIMEOUT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, torchrun_failure(done)
     assert_no_canary(done.stdout + done.stderr, "the output of torchrun dptext finetune")
     sweep(run, canary_token_ids(RUNS["classification"][1]))
     assert json.loads((run / "result.json").read_text())["privacy"]["mechanism"]["processes"] == 2

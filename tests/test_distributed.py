@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from two_ranks import run_process_group, run_two_ranks
+from two_ranks import run_process_group, run_two_ranks, torchrun_failure
 
 N, C = 12, 1.0
 MODES = ("bookkeeping", "ghost", "per_sample")
@@ -230,7 +230,7 @@ def _torchrun(*args: str, cwd: Path) -> str:
                "-m", "dptext", "finetune", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = run_process_group(command, TIMEOUT, cwd=cwd, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, torchrun_failure(done)
     return done.stdout
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SHARED_DATA
-from two_ranks import run_process_group
+from two_ranks import run_process_group, torchrun_failure
 from dptext import config
 from dptext.errors import UserError
 
@@ -30,7 +30,7 @@ def torchrun(*args: str, cwd: Path) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "dptext", "finetune", *args]
     done = run_process_group(command, TIMEOUT, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, torchrun_failure(done)
     return done.stdout
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +26,13 @@ from transformers import TrainingArguments  # noqa: E402
 
 from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsilon  # noqa: E402
 from dptext.errors import UserError  # noqa: E402
-from dptext.integrations import DPTrainer, PrivacyArguments  # noqa: E402
+from dptext.integrations import DPTrainer, PrivacyArguments, end_process_group  # noqa: E402
 from dptext.integrations.poisson_batches import PoissonBatches  # noqa: E402
 from dptext.integrations.trainer_losses import causal_lm_loss_fn  # noqa: E402
 from dptext.integrations.trainer_checks import refuse_unsupported_arguments, refuse_unsupported_launch  # noqa: E402
 from dptext.models import load_model  # noqa: E402
 from dptext.privacy.sampler import make_sampler  # noqa: E402
+from two_ranks import torchrun_failure  # noqa: E402
 
 N, LR, C = 24, 0.5, 0.05
 TIMEOUT = 600
@@ -292,6 +292,7 @@ def worker(out: Path) -> None:
     rank = trainer.process_group.rank
     torch.save({"indices": drawn, "weights": [p.detach() for p in trainer.model.parameters()],
                 "logs": trainer.state.log_history, "mechanism": trainer.engine.mechanism()}, out / f"rank{rank}.pt")
+    end_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +303,7 @@ def two_ranks(tmp_path_factory):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
                str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, torchrun_failure(done)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +35,19 @@ def run_two_ranks(script: str, out: Path, timeout: float) -> list:
                 proc.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+# A worker's own words when it dies: a Python exception, or a C++ abort (gloo's "terminate called ... what(): ...").
+WORKER_ERROR = re.compile(r"terminate called|what\(\)|\w+(Error|Exception)\b|Fatal Python error|Aborted")
+
+
+def torchrun_failure(done: subprocess.CompletedProcess) -> str:
+    """Why a torchrun run failed, the workers' error lines last: CI shows only the tail of a failure, and
+    torchrun's closing summary (exit codes and signals, no reasons) would otherwise fill it."""
+    text = done.stdout + done.stderr
+    errors = [line for line in dict.fromkeys(text.splitlines())
+              if WORKER_ERROR.search(line) and not line.strip().startswith("error_file")]
+    return text[-3000:] + "\n--- the workers' error lines ---\n" + "\n".join(errors[-20:])
 
 
 def run_process_group(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:

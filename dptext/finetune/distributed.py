@@ -103,12 +103,16 @@ class ProcessGroup(DistributedContext):
 
     def close(self) -> None:
         if self.started_here:
-            if dist.is_initialized():
-                # Every rank waits for the others before tearing down: a rank that destroyed its group while a
-                # peer still had gloo traffic in flight (rank 0 gathering the full weights) aborted at exit.
-                dist.barrier()
-                dist.destroy_process_group()
+            _tear_down()
             self.started_here = False
+
+
+def _tear_down() -> None:
+    if dist.is_initialized():
+        # Every rank waits for the others before tearing down: a rank that destroyed its group while a peer still
+        # had gloo traffic in flight (rank 0 gathering the full weights) aborted at exit.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 _CURRENT: ProcessGroup | None = None
@@ -160,6 +164,16 @@ def release() -> None:
     global _CURRENT
     if _CURRENT is not None:
         _CURRENT.close()
+    _CURRENT = None
+
+
+def end_process_group() -> None:
+    """Tear down torch.distributed's default group whoever started it (accelerate, under a ``DPTrainer`` script).
+
+    A script that leaves the group to interpreter shutdown lets each rank's gloo threads die while a peer may still
+    be closing its sockets, an occasional SIGABRT after a finished run; call this as the script's last step."""
+    global _CURRENT
+    _tear_down()
     _CURRENT = None
 
 

@@ -5,6 +5,7 @@ Importing it imports torch and transformers."""
 
 from __future__ import annotations
 
+from dptext.finetune.distributed import end_process_group
 from dptext.integrations.hf_trainer import DPTrainer, EngineStep, PrivacyArguments
 
-__all__ = ["DPTrainer", "EngineStep", "PrivacyArguments"]
+__all__ = ["DPTrainer", "EngineStep", "PrivacyArguments", "end_process_group"]
