@@ -33,10 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dptext.runs import DIAGNOSTICS, RunDir  # noqa: E402  (after the path: runs from a checkout without installing)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from results_queue import LOWER_IS_BETTER, best_value  # noqa: E402  (the queue's searches choose as collect does)
 
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
-LOWER_IS_BETTER = {"ser", "perplexity"}
 NLU = {"ser": "ser", "intent_accuracy": "intent_acc", "slot_f1": "slot_f1"}
 LRS = ("5e-4", "2e-3")
 SST2_LRS = ("1e-4", "2e-4", "5e-4", "1e-3", "2e-3")
@@ -168,15 +169,12 @@ def pick(candidates: list[Path], metric_names: dict) -> dict | None:
 def pick_tuned(runs: Path, tuned: Tuned, metric_names: dict) -> dict | None:
     """The final run at the learning rate its tuning runs chose; None until they and that run have finished."""
     tuning = [runs / tuned.tuning.format(lr=lr) for lr in tuned.learning_rates]
-    if not all((t / "result.json").is_file() for t in tuning):
-        return None
     metric = next(iter(metric_names.values()))
-    sign = 1 if metric in LOWER_IS_BETTER else -1
-    scores = {lr: read_json(t / "result.json")["metrics"][metric] for lr, t in zip(tuned.learning_rates, tuning)}
-    best = min(tuned.learning_rates, key=lambda lr: sign * scores[lr])
-    final = runs / tuned.final.format(lr=best)
-    if not (final / "result.json").is_file():
+    best = best_value(runs, [tuned.tuning.format(lr=lr) for lr in tuned.learning_rates], tuned.learning_rates, metric)
+    if best is None or not (runs / tuned.final.format(lr=best) / "result.json").is_file():
         return None
+    final = runs / tuned.final.format(lr=best)
+    scores = {lr: read_json(t / "result.json")["metrics"][metric] for lr, t in zip(tuned.learning_rates, tuning)}
     out = entry(final, metric_names)
     out["search"] = {"selected_by": f"{metric} of tuning runs on a split held out of the training set "
                                     "(benchmarks/sst2_tuning_split.py); the reported split was not used to choose",

@@ -4,11 +4,18 @@
 
 A job file has one job a line, ``NAME RECIPE [key=value ...]`` (``#`` starts a comment; ``{data}``
 in a value is replaced by ``--data``, the shared data folder, and ``{runs}`` by ``--runs``, for data a
-benchmark script wrote there, such as the SST-2 tuning split). For each job, in file order:
+benchmark script wrote there, such as the SST-2 tuning split). A search line
+``@search NAME RUN METRIC VALUE ...`` makes ``{NAME}`` in the lines below it stand for the VALUE whose
+run (RUN with ``{value}`` in place of that value) scored best on METRIC in its result.json (lowest for
+SER and perplexity, highest otherwise); until every one of those runs has finished, a job that uses
+``{NAME}`` waits (skipped, not failed), so a job after a search runs at the value the search chose. A job
+whose name comes out the same as an earlier job's is that job (it is not run twice). For each job, in
+file order:
 
 * ``RUNS/NAME/result.json`` exists: finished, skipped;
 * ``RUNS/NAME`` holds a run (``resolved.yaml``): ``dptext finetune --resume RUNS/NAME``;
-* otherwise: ``dptext finetune RECIPE overrides --out RUNS/NAME``.
+* otherwise: ``dptext finetune RECIPE overrides --out RUNS/NAME``;
+* it uses an undecided search: waiting, skipped.
 
 Each job runs under ``nice -n 19`` (other people need the 2 cores) with the dptext of the checkout
 this script lives in on ``PYTHONPATH``, so the code that runs is the commit that
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import fcntl
+import json
 import os
 import shlex
 import subprocess
@@ -39,32 +47,64 @@ DEFAULT_RUNS = Path("/work/results-runs")
 DEFAULT_DATA = CODE.parent / "shared" / "data"
 
 
+LOWER_IS_BETTER = {"ser", "perplexity"}
+SEARCH = "@search"
+
+
 @dataclass(frozen=True)
 class Job:
     name: str
     recipe: str
     overrides: tuple[str, ...]
+    waiting_for: str | None = None  # the search this job's values come from, while it is undecided
+
+
+def best_value(runs: Path, run_names: list[str], values: list[str] | tuple[str, ...], metric: str) -> str | None:
+    """The value whose run scored best on ``metric`` (its result.json); None until every run has finished."""
+    results = [runs / name / "result.json" for name in run_names]
+    if not all(result.is_file() for result in results):
+        return None
+    scores = [json.loads(result.read_text())["metrics"].get(metric) for result in results]
+    if None in scores:
+        raise ValueError(f"{results[scores.index(None)]} has no metric {metric!r} to choose by")
+    sign = 1 if metric in LOWER_IS_BETTER else -1
+    return min(zip(values, scores), key=lambda pair: sign * pair[1])[0]  # a tie keeps the value listed first
 
 
 def read_jobs(path: Path, data: Path, runs: Path = DEFAULT_RUNS) -> list[Job]:
     """The jobs of one job file, in order; raises ValueError naming a malformed line."""
-    jobs = []
+    jobs, written, chosen = [], [], {}  # written: the names as the file spells them, before any search resolves
     for number, line in enumerate(path.read_text().splitlines(), start=1):
-        words = shlex.split(line, comments=True)
+        words = [w.replace("{data}", str(data)).replace("{runs}", str(runs)) for w in shlex.split(line, comments=True)]
         if not words:
+            continue
+        if words[0] == SEARCH:
+            if len(words) < 5 or "{value}" not in words[2]:
+                raise ValueError(f"{path}:{number}: expected '{SEARCH} NAME RUN METRIC VALUE ...' with {{value}} in "
+                                 f"RUN, got {line.strip()!r}")
+            values = words[4:]
+            chosen[words[1]] = best_value(runs, [words[2].replace("{value}", v) for v in values], values, words[3])
             continue
         if len(words) < 2 or any("=" not in w for w in words[2:]):
             raise ValueError(f"{path}:{number}: expected 'NAME RECIPE [key=value ...]', got {line.strip()!r}")
-        overrides = tuple(w.replace("{data}", str(data)).replace("{runs}", str(runs)) for w in words[2:])
-        jobs.append(Job(words[0], words[1], overrides))
-    names = [j.name for j in jobs]
-    duplicated = {n for n in names if names.count(n) > 1}
+        written.append(words[0])
+        used = [name for name in chosen if "{" + name + "}" in line]
+        undecided = next((name for name in used if chosen[name] is None), None)
+        for name in used:
+            if chosen[name] is not None:
+                words = [w.replace("{" + name + "}", chosen[name]) for w in words]
+        if used and any(words[0] == job.name for job in jobs):
+            continue  # the search chose a value an earlier line already runs
+        jobs.append(Job(words[0], words[1], tuple(words[2:]), undecided))
+    duplicated = {n for n in written if written.count(n) > 1}
     if duplicated:
         raise ValueError(f"{path}: job names must be unique (they name the run folders): {sorted(duplicated)}")
     return jobs
 
 
 def state_of(job: Job, runs: Path) -> str:
+    if job.waiting_for is not None:
+        return "waiting"
     run = runs / job.name
     if (run / "result.json").is_file():
         return "finished"
@@ -91,7 +131,7 @@ def log(runs: Path, message: str) -> None:
 def next_job(job_files: list[Path], runs: Path, data: Path, failed: set[str]) -> Job | None:
     for path in job_files:
         for job in read_jobs(path, data, runs):
-            if job.name not in failed and state_of(job, runs) != "finished":
+            if job.name not in failed and state_of(job, runs) in ("new", "started"):
                 return job
     return None
 
@@ -114,7 +154,8 @@ def run_queue(job_files: list[Path], runs: Path, data: Path, python: str) -> int
         else:
             failed.add(job.name)
             log(runs, f"FAILED {job.name} (exit {code}) after {took:.0f} s; see {runs / job.name}.log")
-    log(runs, f"queue empty ({len(failed)} failed: {sorted(failed)})")
+    waiting = sorted(job.name for path in job_files for job in read_jobs(path, data, runs) if job.waiting_for)
+    log(runs, f"queue empty ({len(failed)} failed: {sorted(failed)}; {len(waiting)} waiting for a search: {waiting})")
     return len(failed)
 
 

@@ -38,6 +38,46 @@ def test_job_file_parsing_substitutes_data_and_runs_and_rejects_bad_lines(tmp_pa
         queue.read_jobs(jobs, Path("/d"))
 
 
+def _finish(runs: Path, name: str, **metrics) -> None:
+    (runs / name).mkdir(parents=True)
+    (runs / name / "result.json").write_text(json.dumps({"metrics": metrics}))
+
+
+def test_a_search_line_decides_the_value_of_the_jobs_below_it_once_all_its_runs_have_finished(tmp_path):
+    jobs, runs = tmp_path / "jobs.txt", tmp_path / "runs"
+    jobs.write_text("final-lr2e-3 r.yaml train.learning_rate=2e-3\n"
+                    "@search lr tune-lr{value} accuracy 5e-4 1e-3 2e-3\n"
+                    "final-lr{lr} r.yaml train.learning_rate={lr} data.path={data}/x\n"
+                    "eps3-lr{lr} r.yaml train.learning_rate={lr} privacy.target_epsilon=3\n"
+                    "@search ser atis-{value} ser a b\nlast-{ser} r.yaml\n")
+    _finish(runs, "tune-lr5e-4", accuracy=83.6)
+    _finish(runs, "tune-lr1e-3", accuracy=85.1)
+    waiting = queue.read_jobs(jobs, Path("/d"), runs)
+    assert [(j.name, j.waiting_for) for j in waiting] == [
+        ("final-lr2e-3", None), ("final-lr{lr}", "lr"), ("eps3-lr{lr}", "lr"), ("last-{ser}", "ser")]
+    assert queue.state_of(waiting[1], runs) == "waiting"
+    assert queue.next_job([jobs], runs, Path("/d"), {"final-lr2e-3"}) is None  # waiting jobs never start
+
+    _finish(runs, "tune-lr2e-3", accuracy=84.0)
+    _finish(runs, "atis-a", ser=7.0)
+    _finish(runs, "atis-b", ser=6.5)
+    decided = queue.read_jobs(jobs, Path("/d"), runs)
+    assert decided[1:] == [queue.Job("final-lr1e-3", "r.yaml", ("train.learning_rate=1e-3", "data.path=/d/x")),
+                           queue.Job("eps3-lr1e-3", "r.yaml", ("train.learning_rate=1e-3", "privacy.target_epsilon=3")),
+                           queue.Job("last-b", "r.yaml", ())]  # highest accuracy; lowest SER
+
+    (runs / "tune-lr1e-3" / "result.json").write_text(json.dumps({"metrics": {"accuracy": 80.0}}))
+    chosen = queue.read_jobs(jobs, Path("/d"), runs)  # 2e-3 wins: its final run is the first line's, run once
+    assert [j.name for j in chosen] == ["final-lr2e-3", "eps3-lr2e-3", "last-b"]
+
+    jobs.write_text("@search lr tune-lr accuracy 5e-4\n")
+    with pytest.raises(ValueError, match="jobs.txt:1"):
+        queue.read_jobs(jobs, Path("/d"), runs)
+    jobs.write_text("@search lr tune-lr{value} f1 5e-4 1e-3 2e-3\n")
+    with pytest.raises(ValueError, match="no metric 'f1'"):
+        queue.read_jobs(jobs, Path("/d"), runs)
+
+
 def test_new_started_and_finished_jobs_get_the_right_command(tmp_path):
     job = queue.Job("run1", "recipes/quickstart.yaml", ("train.max_steps=1",))
     command = queue.command_for(job, tmp_path, "py")
