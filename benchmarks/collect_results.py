@@ -184,14 +184,20 @@ def pick_tuned(runs: Path, tuned: Tuned, metric_names: dict) -> dict | None:
 
 
 def collect(runs: Path, results: Path = RESULTS) -> dict[str, dict]:
+    """Rewrite each file from the finished runs in `runs`; an entry none of whose runs finished there keeps its
+    committed value (a fresh machine has lost the run directories, not the results they produced)."""
     written = {}
     for name, (metric_names, entries) in FILES.items():
+        path = results / f"{name}.json"
+        committed = read_json(path) if path.is_file() else {}
         data = {}
         for key, candidates in entries.items():
             if isinstance(candidates, Tuned):
                 found = pick_tuned(runs, candidates, metric_names)
             else:
                 found = pick([runs / c for c in candidates], metric_names)
+            if found is None:
+                found = committed.get(key)
             if found is not None:
                 data[key] = found
         if data:

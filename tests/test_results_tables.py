@@ -146,3 +146,18 @@ def test_sst2_reports_the_final_run_at_the_rate_its_tuning_runs_chose(tmp_path):
     chosen = collect.collect(runs, out)["sst2"]["eps8"]
     assert chosen["run"] == "sst2-eps8-lr2e-4" and chosen["accuracy"] == 85.0
     assert [c["tuning_accuracy"] for c in chosen["search"]["candidates"]] == [80.0, 84.0, 82.0, 83.0, 81.0]
+
+
+def test_an_entry_whose_runs_are_absent_keeps_its_committed_value(tmp_path):
+    """A fresh machine has no run directories: collecting there must not erase results that were committed."""
+    runs, out = tmp_path / "runs", tmp_path / "results"
+    _fake_run(runs / "atis-nonprivate", ser=5.0, validation=6.0, lr=1e-4, private=False)
+    collect.collect(runs, out)
+    committed = json.loads((out / "atis.json").read_text())
+    fresh = tmp_path / "fresh-runs"
+    _fake_run(fresh / "atis-dpsgd-eps8-lr5e-4", ser=20.0, validation=30.0, lr=5e-4)
+    _fake_run(fresh / "atis-dpsgd-eps8-lr2e-3", ser=10.0, validation=35.0, lr=2e-3)
+    atis = collect.collect(fresh, out)["atis"]
+    assert list(atis) == ["nonprivate", "dp_sgd_eps8"] and atis["nonprivate"] == committed["nonprivate"]
+    _fake_run(fresh / "atis-nonprivate", ser=4.0, validation=5.0, lr=1e-4, private=False)  # a re-run replaces it
+    assert collect.collect(fresh, out)["atis"]["nonprivate"]["ser"] == 4.0
