@@ -109,15 +109,19 @@ def test_the_wall_time_comes_from_the_diagnostics_finished_record_not_result_jso
 
 def test_search_waits_for_every_candidate_then_picks_on_validation_not_test(tmp_path, monkeypatch):
     runs, out = tmp_path / "runs", tmp_path / "results"
-    _fake_run(runs / "atis-dpsgd-eps8-lr5e-4", ser=20.0, validation=30.0, lr=5e-4)
-    assert "atis" not in collect.collect(runs, out)  # the other candidate has not finished: no entry yet
-    _fake_run(runs / "atis-dpsgd-eps8-lr2e-3", ser=10.0, validation=35.0, lr=2e-3)  # better on test, worse on valid.
+    first, *others = collect.FILES["atis"][1]["dp_sgd_eps8"]
+    assert first == "atis-dpsgd-eps8-lr5e-4" and others
+    _fake_run(runs / first, ser=20.0, validation=30.0, lr=5e-4)
+    assert "atis" not in collect.collect(runs, out)  # the other candidates have not finished: no entry yet
+    for k, name in enumerate(others):  # better on test, worse on validation
+        _fake_run(runs / name, ser=10.0, validation=35.0 + k, lr=2e-3 * (k + 1))
     _fake_run(runs / "atis-nonprivate", ser=5.0, validation=6.0, lr=1e-4, private=False)
     atis = collect.collect(runs, out)["atis"]
     assert set(atis) == {"nonprivate", "dp_sgd_eps8"}
     chosen = atis["dp_sgd_eps8"]
     assert chosen["run"] == "atis-dpsgd-eps8-lr5e-4" and chosen["ser"] == 20.0
-    assert [c["validation_ser"] for c in chosen["search"]["candidates"]] == [30.0, 35.0]
+    validation = [c["validation_ser"] for c in chosen["search"]["candidates"]]
+    assert validation == [30.0] + [35.0 + k for k in range(len(others))]
     assert chosen["epsilon_rdp"] == 8.0 and chosen["epsilon_pld"] < chosen["epsilon_rdp"]
     assert atis["nonprivate"]["epsilon_rdp"] is None and atis["nonprivate"]["commit"] == "abc"
     assert json.loads((out / "atis.json").read_text()) == json.loads(json.dumps(atis))
@@ -155,8 +159,8 @@ def test_an_entry_whose_runs_are_absent_keeps_its_committed_value(tmp_path):
     collect.collect(runs, out)
     committed = json.loads((out / "atis.json").read_text())
     fresh = tmp_path / "fresh-runs"
-    _fake_run(fresh / "atis-dpsgd-eps8-lr5e-4", ser=20.0, validation=30.0, lr=5e-4)
-    _fake_run(fresh / "atis-dpsgd-eps8-lr2e-3", ser=10.0, validation=35.0, lr=2e-3)
+    for k, name in enumerate(collect.FILES["atis"][1]["dp_sgd_eps8"]):
+        _fake_run(fresh / name, ser=20.0 - k, validation=30.0 + k, lr=5e-4 * (k + 1))
     atis = collect.collect(fresh, out)["atis"]
     assert list(atis) == ["nonprivate", "dp_sgd_eps8"] and atis["nonprivate"] == committed["nonprivate"]
     _fake_run(fresh / "atis-nonprivate", ser=4.0, validation=5.0, lr=1e-4, private=False)  # a re-run replaces it
