@@ -40,7 +40,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 NLU = {"ser": "ser", "intent_accuracy": "intent_acc", "slot_f1": "slot_f1"}
 LRS = ("5e-4", "2e-3")  # each DP search's first grid; jobs.txt extends one upward while its best is at the top
-ATIS_DPSGD_LRS = LRS + ("5e-3",)
+ATIS_LRS = LRS + ("5e-3",)
 SST2_LRS = ("1e-4", "2e-4", "5e-4", "1e-3", "2e-3")
 
 
@@ -57,8 +57,8 @@ FILES = {
     "sst2": ({"accuracy": "accuracy"},
              {"nonprivate": ["sst2-nonprivate"], "eps8": Tuned("sst2-tune-lr{lr}", "sst2-eps8-lr{lr}", SST2_LRS),
               "eps3": Tuned("sst2-tune-lr{lr}", "sst2-eps3-lr{lr}", SST2_LRS)}),
-    "atis": (NLU, {"nonprivate": ["atis-nonprivate"], "dp_sgd_eps8": [f"atis-dpsgd-eps8-lr{lr}" for lr in ATIS_DPSGD_LRS],
-                   "edp_eps8": [f"atis-edp-eps8-lr{lr}" for lr in LRS]}),
+    "atis": (NLU, {"nonprivate": ["atis-nonprivate"], "dp_sgd_eps8": [f"atis-dpsgd-eps8-lr{lr}" for lr in ATIS_LRS],
+                   "edp_eps8": [f"atis-edp-eps8-lr{lr}" for lr in ATIS_LRS]}),
     "snips": (NLU, {"nonprivate": ["snips-nonprivate"], "dp_sgd_eps8": [f"snips-dpsgd-eps8-lr{lr}" for lr in LRS],
                     "edp_eps8": [f"snips-edp-eps8-lr{lr}" for lr in LRS]}),
     "quickstart": ({"accuracy": "accuracy"}, {"nonprivate": ["quickstart-nonprivate"],
