@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from dptext.runs import DIAGNOSTICS, RunDir  # noqa: E402  (after the path: runs from a checkout without installing)
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from results_queue import LOWER_IS_BETTER, best_value  # noqa: E402  (the queue's searches choose as collect does)
+from results_queue import LOWER_IS_BETTER, best_of, finished_scores  # noqa: E402  (the queue's searches choose as collect does)
 
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
@@ -169,18 +169,19 @@ def pick(candidates: list[Path], metric_names: dict) -> dict | None:
 
 def pick_tuned(runs: Path, tuned: Tuned, metric_names: dict) -> dict | None:
     """The final run at the learning rate its tuning runs chose; None until they and that run have finished."""
-    tuning = [runs / tuned.tuning.format(lr=lr) for lr in tuned.learning_rates]
+    tuning = [tuned.tuning.format(lr=lr) for lr in tuned.learning_rates]
     metric = next(iter(metric_names.values()))
-    best = best_value(runs, [tuned.tuning.format(lr=lr) for lr in tuned.learning_rates], tuned.learning_rates, metric)
-    if best is None or not (runs / tuned.final.format(lr=best) / "result.json").is_file():
+    scores = finished_scores(runs, tuning, metric)
+    if scores is None:
         return None
-    final = runs / tuned.final.format(lr=best)
-    scores = {lr: read_json(t / "result.json")["metrics"][metric] for lr, t in zip(tuned.learning_rates, tuning)}
+    final = runs / tuned.final.format(lr=best_of(tuned.learning_rates, scores, metric))
+    if not (final / "result.json").is_file():
+        return None
     out = entry(final, metric_names)
     out["search"] = {"selected_by": f"{metric} of tuning runs on a split held out of the training set "
                                     "(benchmarks/sst2_tuning_split.py); the reported split was not used to choose",
-                     "candidates": [{"run": t.name, "learning_rate": float(lr), f"tuning_{metric}": scores[lr]}
-                                    for lr, t in zip(tuned.learning_rates, tuning)]}
+                     "candidates": [{"run": name, "learning_rate": float(lr), f"tuning_{metric}": score}
+                                    for lr, name, score in zip(tuned.learning_rates, tuning, scores)]}
     return out
 
 

@@ -59,16 +59,27 @@ class Job:
     waiting_for: str | None = None  # the search this job's values come from, while it is undecided
 
 
-def best_value(runs: Path, run_names: list[str], values: list[str] | tuple[str, ...], metric: str) -> str | None:
-    """The value whose run scored best on ``metric`` (its result.json); None until every run has finished."""
+def finished_scores(runs: Path, run_names: list[str], metric: str) -> list[float] | None:
+    """Each run's ``metric`` from its result.json; None until every run has finished."""
     results = [runs / name / "result.json" for name in run_names]
     if not all(result.is_file() for result in results):
         return None
     scores = [json.loads(result.read_text())["metrics"].get(metric) for result in results]
     if None in scores:
         raise ValueError(f"{results[scores.index(None)]} has no metric {metric!r} to choose by")
+    return scores
+
+
+def best_of(values: list[str] | tuple[str, ...], scores: list[float], metric: str) -> str:
+    """The value with the best score (lowest for LOWER_IS_BETTER metrics); a tie keeps the value listed first."""
     sign = 1 if metric in LOWER_IS_BETTER else -1
-    return min(zip(values, scores), key=lambda pair: sign * pair[1])[0]  # a tie keeps the value listed first
+    return min(zip(values, scores), key=lambda pair: sign * pair[1])[0]
+
+
+def best_value(runs: Path, run_names: list[str], values: list[str] | tuple[str, ...], metric: str) -> str | None:
+    """The value whose run scored best on ``metric`` (its result.json); None until every run has finished."""
+    scores = finished_scores(runs, run_names, metric)
+    return None if scores is None else best_of(values, scores, metric)
 
 
 def read_jobs(path: Path, data: Path, runs: Path = DEFAULT_RUNS) -> list[Job]:
