@@ -6,11 +6,11 @@
     python benchmarks/bench_grid.py --readme benchmarks/results/bench_cpu_grid.json  # put it into README.md
 
 Each cell (model, T, B) runs its modes round-robin, every mode in a fresh subprocess (dptext.bench.measure_mode:
-the median step time under the allocator's defaults, the peak RSS of a second subprocess that returns freed memory
-to the OS, see dptext.bench.MEMORY_ENV), and appends its rows to the JSON as soon as it is done, so an
-interrupted grid resumes where it stopped: finished cells are skipped. Every row carries the machine, date,
-commit and the load average around its cell, since on a shared machine the ratios are only as good as the load
-was even. opacus refuses tied embeddings, so SmolLM2 runs it on an untied copy (``opacus_untied``).
+the median step time with the allocator as ``dptext finetune`` sets it, dptext.allocator; the peak RSS of a second
+subprocess that returns freed memory to the OS, see dptext.bench.MEMORY_ENV), and appends its rows to the JSON as
+soon as it is done, so an interrupted grid resumes where it stopped: finished cells are skipped. Every row carries
+the machine, date, commit and the load average around its cell, since on a shared machine the ratios are only as
+good as the load was even. opacus refuses tied embeddings, so SmolLM2 runs it on an untied copy (``opacus_untied``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def measure_cell(model: str, seq_len: int, batch_size: int, steps: int, warmup: 
                "steps": steps * rounds}
     return [{"model": model, "seq_len": seq_len, "batch_size": batch_size, "mode": r["mode"], "status": r["status"],
              "time_s": r.get("step_s"), "peak_mb": r.get("peak_mb"),
-             "peak_mb_default_malloc": r.get("peak_mb_default_malloc"), "time_ratio": r.get("time_ratio"),
+             "peak_mb_timed_run": r.get("peak_mb_timed_run"), "time_ratio": r.get("time_ratio"),
              "memory_ratio": r.get("memory_ratio"), "noise_s": r.get("noise_s"), **context} for r in results]
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from dptext.allocator import keep_freed_memory
 from dptext.bench_step import OURS, measure
 from dptext.runs import atomic_write
 
@@ -34,12 +35,12 @@ MODES = ("nonprivate",) + OURS + ("opacus", "opacus_untied")
 
 # ---------------------------------------------------------------------------- the parent process
 
-# The clock runs under the C allocator's defaults, as ``dptext finetune`` does. CPU peak memory is read in a
-# second, short subprocess with a fixed mmap threshold: glibc then returns every freed block over 128 KiB to the
-# OS, so the peak RSS is the peak of live memory, not of heap fragmentation (by default glibc raises the threshold
-# after the first large free and keeps freed blocks in the heap). That regime must not be the one timed: every
-# new tensor then costs a page fault per 4 KiB page, about 30 % of a step in kernel time on a 2-core CPU, and
-# more for the modes that allocate more, so it inflated both the step times and their ratios.
+# The clock runs with the C allocator set as ``dptext finetune`` sets it (``dptext.allocator``: freed memory stays
+# in the heap). CPU peak memory is read in a second, short subprocess with a fixed mmap threshold: glibc then
+# returns every freed block over 128 KiB to the OS, so the peak RSS is the peak of live memory, not of heap
+# fragmentation. That regime must not be the one timed: every new tensor then costs a page fault per 4 KiB page,
+# about 30 % of a step in kernel time on a 2-core CPU, and more for the modes that allocate more, so it inflated
+# both the step times and their ratios.
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 MEMORY_STEPS = {"warmup": 1, "steps": 1}  # the peak of a step after the first: buffers built lazily count
 
@@ -59,12 +60,12 @@ def _run_in_subprocess(spec: dict, env: dict | None = None) -> dict:
 
 def measure_mode(spec: dict, with_memory: bool) -> dict:
     """One mode, one round: the timed subprocess and, on CPU when ``with_memory``, the memory subprocess whose
-    peak RSS becomes ``peak_mb``/``step_mb``. The timed run's own peak (allocator defaults, fragmentation
-    included) is kept as ``peak_mb_default_malloc``; a round without the memory run reports only that."""
+    peak RSS becomes ``peak_mb``/``step_mb``. The timed run's own peak (freed memory kept, as
+    ``dptext finetune`` runs: fragmentation included) is kept as ``peak_mb_timed_run``; a round without the memory run reports only that."""
     timed = _run_in_subprocess(spec)
     if spec["device"] != "cpu" or timed["status"] != "ok":
         return timed
-    timed["peak_mb_default_malloc"] = timed.pop("peak_mb")
+    timed["peak_mb_timed_run"] = timed.pop("peak_mb")
     timed.pop("step_mb", None)
     if not with_memory:
         return timed
@@ -95,7 +96,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
     if all("noise_times_s" in r for r in rounds):
         merged["noise_times_s"] = [t for r in rounds for t in r["noise_times_s"]]
         merged["noise_s"] = statistics.median(merged["noise_times_s"])
-    for key in ("peak_mb", "step_mb", "peak_mb_default_malloc", "max_batch"):
+    for key in ("peak_mb", "step_mb", "peak_mb_timed_run", "max_batch"):
         values = [r[key] for r in rounds if key in r]
         if values:
             merged[key] = max(values)
@@ -157,4 +158,5 @@ def write_chart(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()  # timed as `dptext finetune` runs; MEMORY_ENV's subprocess keeps its own setting
     print(json.dumps(measure(json.loads(sys.argv[1]))))

@@ -34,11 +34,11 @@ def test_the_clock_runs_under_the_allocator_defaults_and_memory_in_its_own_subpr
     spec = {"mode": "bookkeeping", "device": "cpu", "steps": 3, "warmup": 2, "max_batch": False}
     first = bench_module.measure_mode(spec, with_memory=True)
     assert [env for _, env in calls] == [None, MEMORY_ENV] and calls[1][0]["steps"] == 1
-    assert first["peak_mb"] == 100.0 and first["step_mb"] == 50.0 and first["peak_mb_default_malloc"] == 130.0
+    assert first["peak_mb"] == 100.0 and first["step_mb"] == 50.0 and first["peak_mb_timed_run"] == 130.0
     later = bench_module.measure_mode(spec, with_memory=False)
     assert len(calls) == 3 and "peak_mb" not in later and "step_mb" not in later
     merged = bench_module.merge_rounds([first, later])
-    assert merged["peak_mb"] == 100.0 and merged["peak_mb_default_malloc"] == 130.0
+    assert merged["peak_mb"] == 100.0 and merged["peak_mb_timed_run"] == 130.0
     assert len(merged["times_s"]) == 6
 
 

@@ -17,6 +17,7 @@ import click
 import typer
 
 import dptext
+from dptext.allocator import keep_freed_memory
 from dptext.errors import RunInterrupted, UserError
 
 HELP = """Differentially private language models.
@@ -72,6 +73,8 @@ def _usage_sentence(exc: click.exceptions.ClickException, args: list[str]) -> st
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:  # the process entry point (console script, `python -m dptext`, torchrun), not a test's call
+        keep_freed_memory()
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("DPTEXT_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
