@@ -6,8 +6,9 @@ fresh ``mmap`` that is zero-filled a page at a time and unmapped when freed, so 
 thousands of page faults: on SmolLM2-135M (T = 64, B = 8, 2 CPU cores) about 0.6–0.8 s of kernel time in a
 3.3–4.3 s step. Serving every allocation from the heap and never trimming it makes those faults disappear and the
 step 12–17 % faster, for a peak RSS 3–5 % higher (``benchmarks/allocator_faults.py``; MiniLM-L6, whose tensors are
-smaller, gains 2–5 %). Freed memory then stays with the process until it exits, which is what a training run
-wants and why this is set by the ``dptext`` process entry point only, never by importing the library.
+smaller, gains 2–5 %). Freed memory then stays with the process, which is what a training loop wants and why this
+is set by the ``dptext`` process entry point only, never by importing the library. What a one-off phase freed (the
+start-up probe's float64 copy of the model) is handed back explicitly: ``release_freed_memory``.
 
 A user who sets any of glibc's ``MALLOC_*`` variables has chosen for themselves and is left alone (``dptext
 bench-memory`` reads peak memory that way), as is anyone who sets ``DPTEXT_ALLOCATOR=default``.
@@ -40,3 +41,16 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; musl's stub returns 0 and changes nothing.
     return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, -1) == 1
+
+
+def release_freed_memory() -> None:
+    """Give the OS back the free memory glibc holds (malloc_trim); a no-op elsewhere. For the end of a one-off
+    phase that freed far more than the steps after it will use; the next allocations fault their pages in again."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)

@@ -82,3 +82,28 @@ def test_only_the_process_entry_point_sets_the_allocator(monkeypatch):
     with pytest.raises(SystemExit):
         app.main(["--version"])  # a call from Python (tests, notebooks) leaves the process's allocator alone
     assert calls == [1]
+
+
+RELEASE = """
+import json, torch
+from dptext.allocator import keep_freed_memory, release_freed_memory
+
+def rss_mb():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+keep_freed_memory()
+block = torch.ones(256 * 2**20, dtype=torch.uint8)
+del block
+kept = rss_mb()
+release_freed_memory()
+print(json.dumps({"kept": kept, "released": rss_mb()}))
+"""
+
+
+@pytest.mark.skipif(not glibc_with_mallinfo2(), reason="needs glibc >= 2.33 (mallinfo2)")
+def test_release_gives_back_what_a_one_off_phase_freed():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "DPTEXT_ALLOCATOR"}
+    done = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True, env=clean)
+    rss = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rss["kept"] - rss["released"] > 200  # MB: the freed 256 MB block left the process
