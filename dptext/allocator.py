@@ -25,6 +25,9 @@ M_TRIM_THRESHOLD = -1  # -1 as the value: never give the top of the heap back to
 M_MMAP_MAX = -4  # 0 as the value: never serve an allocation with its own mmap
 
 
+_applied = False  # whether this process's entry point set glibc to keep freed memory
+
+
 def user_has_chosen() -> bool:
     """Whether the environment already decides the allocator's behaviour."""
     return os.environ.get("DPTEXT_ALLOCATOR") == "default" or any(name.startswith("MALLOC_") for name in os.environ)
@@ -40,7 +43,19 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success; musl's stub returns 0 and changes nothing.
-    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, -1) == 1
+    global _applied
+    _applied = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, -1) == 1
+    return _applied
+
+
+def setting() -> str:
+    """How this process's allocator is set, for a run's provenance (it changes step times, never results)."""
+    if _applied:
+        return "freed memory kept (dptext.allocator)"
+    chosen = sorted(name for name in os.environ if name.startswith("MALLOC_"))
+    if chosen:
+        return "glibc, set by the environment: " + ", ".join(f"{name}={os.environ[name]}" for name in chosen)
+    return "glibc defaults"
 
 
 def release_freed_memory() -> None:

@@ -11,6 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from dptext.allocator import setting as allocator_setting
+
 TRACKED_PACKAGES = (
     "dptext", "torch", "transformers", "datasets", "numpy", "scipy", "prv-accountant", "dp-accounting",
     "typer", "rich", "sacrebleu", "rouge-score", "gguf", "peft", "opacus",
@@ -49,5 +51,6 @@ def provenance() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "command": sys.argv,
+        "allocator": allocator_setting(),
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
     }

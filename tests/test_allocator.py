@@ -107,3 +107,16 @@ def test_release_gives_back_what_a_one_off_phase_freed():
     done = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True, env=clean)
     rss = json.loads(done.stdout.strip().splitlines()[-1])
     assert rss["kept"] - rss["released"] > 200  # MB: the freed 256 MB block left the process
+
+
+def test_provenance_records_the_allocator_setting(monkeypatch):
+    from dptext.provenance import provenance
+
+    for name in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(allocator, "_applied", False)
+    assert provenance()["allocator"] == "glibc defaults"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert provenance()["allocator"] == "glibc, set by the environment: MALLOC_ARENA_MAX=2"
+    monkeypatch.setattr(allocator, "_applied", True)
+    assert provenance()["allocator"] == "freed memory kept (dptext.allocator)"

@@ -165,3 +165,15 @@ def test_an_entry_whose_runs_are_absent_keeps_its_committed_value(tmp_path):
     assert list(atis) == ["nonprivate", "dp_sgd_eps8"] and atis["nonprivate"] == committed["nonprivate"]
     _fake_run(fresh / "atis-nonprivate", ser=4.0, validation=5.0, lr=1e-4, private=False)  # a re-run replaces it
     assert collect.collect(fresh, out)["atis"]["nonprivate"]["ser"] == 4.0
+
+
+def test_every_run_a_table_waits_for_is_in_the_job_list():
+    """A grid grown in collect_results.py without its job in jobs.txt would leave its row "running" for ever."""
+    jobs = (BENCHMARKS / "jobs.txt").read_text()
+    named = {line.lstrip("#").split()[0] for line in jobs.splitlines() if line.lstrip("#").strip()}
+    for _, entries in collect.FILES.values():
+        for candidates in entries.values():
+            if isinstance(candidates, collect.Tuned):
+                continue  # its final run's name is decided by the search (an @search line)
+            missing = [name for name in candidates if name not in named]
+            assert not missing, f"{missing} in collect_results.FILES but not in benchmarks/jobs.txt"
