@@ -2,9 +2,10 @@
 
     nohup python benchmarks/results_queue.py benchmarks/jobs.txt >/dev/null 2>&1 &
 
-A job file has one job a line, ``NAME RECIPE [key=value ...]`` (``#`` starts a comment; ``{data}``
-in a value is replaced by ``--data``, the shared data folder, and ``{runs}`` by ``--runs``, for data a
-benchmark script wrote there, such as the SST-2 tuning split). A search line
+A job file has one job a line, ``NAME RECIPE [key=value ...] [env:VARIABLE=value ...]`` (``#`` starts a
+comment; ``{data}`` in a value is replaced by ``--data``, the shared data folder, and ``{runs}`` by ``--runs``, for
+data a benchmark script wrote there, such as the SST-2 tuning split; an ``env:`` word sets an environment variable
+of that job's process, fresh or resumed, e.g. ``env:DPTEXT_ALLOCATOR=default``). A search line
 ``@search NAME RUN METRIC VALUE ...`` makes ``{NAME}`` in the lines below it stand for the VALUE whose
 run (RUN with ``{value}`` in place of that value) scored best on METRIC in its result.json (lowest for
 SER and perplexity, highest otherwise); until every one of those runs has finished, a job that uses
@@ -49,6 +50,7 @@ DEFAULT_DATA = CODE.parent / "shared" / "data"
 
 LOWER_IS_BETTER = {"ser", "perplexity"}
 SEARCH = "@search"
+ENV = "env:"
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Job:
     recipe: str
     overrides: tuple[str, ...]
     waiting_for: str | None = None  # the search this job's values come from, while it is undecided
+    env: tuple[tuple[str, str], ...] = ()  # environment variables of the job's process (its env: words)
 
 
 def finished_scores(runs: Path, run_names: list[str], metric: str) -> list[float] | None:
@@ -106,7 +109,9 @@ def read_jobs(path: Path, data: Path, runs: Path = DEFAULT_RUNS) -> list[Job]:
                 words = [w.replace("{" + name + "}", chosen[name]) for w in words]
         if used and any(words[0] == job.name for job in jobs):
             continue  # the search chose a value an earlier line already runs
-        jobs.append(Job(words[0], words[1], tuple(words[2:]), undecided))
+        env = tuple(tuple(w[len(ENV):].split("=", 1)) for w in words[2:] if w.startswith(ENV))
+        overrides = tuple(w for w in words[2:] if not w.startswith(ENV))
+        jobs.append(Job(words[0], words[1], overrides, undecided, env))
     duplicated = {n for n in written if written.count(n) > 1}
     if duplicated:
         raise ValueError(f"{path}: job names must be unique (they name the run folders): {sorted(duplicated)}")
@@ -153,12 +158,13 @@ def run_queue(job_files: list[Path], runs: Path, data: Path, python: str) -> int
     env = {**os.environ, "PYTHONPATH": str(CODE), "PYTHONUNBUFFERED": "1"}
     while (job := next_job(job_files, runs, data, failed)) is not None:
         command = command_for(job, runs, python)
-        log(runs, f"start {job.name} ({state_of(job, runs)}): {shlex.join(command)}")
+        settings = "".join(f"{name}={value} " for name, value in job.env)
+        log(runs, f"start {job.name} ({state_of(job, runs)}): {settings}{shlex.join(command)}")
         started = time.monotonic()
         (runs / job.name).parent.mkdir(parents=True, exist_ok=True)  # names may hold a folder: distill-long/teacher
         with open(runs / f"{job.name}.log", "a") as out:
-            code = subprocess.run(command, cwd=CODE, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL).returncode
+            code = subprocess.run(command, cwd=CODE, env={**env, **dict(job.env)}, stdout=out,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
         took = time.monotonic() - started
         if code == 0 and state_of(job, runs) == "finished":
             log(runs, f"done {job.name} in {took:.0f} s")

@@ -26,10 +26,13 @@ queue = _load("results_queue")
 def test_job_file_parsing_substitutes_data_and_runs_and_rejects_bad_lines(tmp_path):
     jobs = tmp_path / "jobs.txt"
     jobs.write_text("# a comment\n\natis  recipes/atis.yaml data.path={data}/atis  # trailing\n"
-                    "# disabled recipes/x.yaml\nsst2 recipes/sst2.yaml 'name=with space' data.path={runs}/split\n")
+                    "# disabled recipes/x.yaml\nsst2 recipes/sst2.yaml 'name=with space' data.path={runs}/split\n"
+                    "snips recipes/snips.yaml env:DPTEXT_ALLOCATOR=default train.learning_rate=5e-3 env:A=b=c\n")
     parsed = queue.read_jobs(jobs, Path("/d"), Path("/r"))
     assert parsed == [queue.Job("atis", "recipes/atis.yaml", ("data.path=/d/atis",)),
-                      queue.Job("sst2", "recipes/sst2.yaml", ("name=with space", "data.path=/r/split"))]
+                      queue.Job("sst2", "recipes/sst2.yaml", ("name=with space", "data.path=/r/split")),
+                      queue.Job("snips", "recipes/snips.yaml", ("train.learning_rate=5e-3",),
+                                env=(("DPTEXT_ALLOCATOR", "default"), ("A", "b=c")))]
     jobs.write_text("atis recipes/atis.yaml notanoverride\n")
     with pytest.raises(ValueError, match="jobs.txt:1"):
         queue.read_jobs(jobs, Path("/d"))
@@ -98,12 +101,13 @@ def test_queue_runs_resumes_and_skips(shared_data, tmp_path):
     common = ("model.name=tiny-bert data.dataset=sst2 data.path={data}/sst2 task.type=classification "
               "eval.split=validation data.max_train_examples=24 data.max_eval_examples=4 data.max_length=16 "
               "train.batch_size=8 train.max_steps=2 privacy.enabled=false")
-    jobs.write_text(f"first recipes/quickstart.yaml {common}\nbroken recipes/quickstart.yaml {common} "
-                    "train.batch_size=0\n")
+    jobs.write_text(f"first recipes/quickstart.yaml {common} env:DPTEXT_ALLOCATOR=default\n"
+                    f"broken recipes/quickstart.yaml {common} train.batch_size=0\n")
     runs = tmp_path / "runs"
     argv = [str(jobs), "--runs", str(runs), "--data", str(shared_data), "--python", sys.executable]
     assert queue.main(argv) == 1  # one job failed: logged, the queue went on and finished
     assert json.loads((runs / "first" / "result.json").read_text())["steps_run"] == 2
+    assert json.loads((runs / "first" / "provenance.json").read_text())["allocator"] == "glibc defaults"  # env:
     log = (runs / "queue.log").read_text()
     assert "done first" in log and "FAILED broken" in log
     # a restart skips the finished job and retries the failed one (it still fails)
