@@ -41,7 +41,7 @@ README = ROOT / "README.md"
 NLU = {"ser": "ser", "intent_accuracy": "intent_acc", "slot_f1": "slot_f1"}
 LRS = ("5e-4", "2e-3")  # each DP search's first grid; jobs.txt extends one upward while its best is at the top
 ATIS_LRS = LRS + ("5e-3",)
-SNIPS_DPSGD_LRS = LRS + ("5e-3",)
+SNIPS_LRS = LRS + ("5e-3",)
 SST2_LRS = ("1e-4", "2e-4", "5e-4", "1e-3", "2e-3")
 
 
@@ -61,8 +61,8 @@ FILES = {
     "atis": (NLU, {"nonprivate": ["atis-nonprivate"], "dp_sgd_eps8": [f"atis-dpsgd-eps8-lr{lr}" for lr in ATIS_LRS],
                    "edp_eps8": [f"atis-edp-eps8-lr{lr}" for lr in ATIS_LRS]}),
     "snips": (NLU, {"nonprivate": ["snips-nonprivate"],
-                    "dp_sgd_eps8": [f"snips-dpsgd-eps8-lr{lr}" for lr in SNIPS_DPSGD_LRS],
-                    "edp_eps8": [f"snips-edp-eps8-lr{lr}" for lr in LRS]}),
+                    "dp_sgd_eps8": [f"snips-dpsgd-eps8-lr{lr}" for lr in SNIPS_LRS],
+                    "edp_eps8": [f"snips-edp-eps8-lr{lr}" for lr in SNIPS_LRS]}),
     "quickstart": ({"accuracy": "accuracy"}, {"nonprivate": ["quickstart-nonprivate"],
                                               "nonprivate_lr5e-4": ["quickstart-nonprivate-lr5e-4"],
                                               "nonprivate_lr1e-4": ["quickstart-nonprivate-lr1e-4"],
