@@ -1,12 +1,13 @@
 """Page faults and kernel time of one training step under glibc's allocator settings (issue 19).
 
-    python benchmarks/allocator_faults.py                      # SmolLM2-135M, T = 64, B = 8, both settings
+    python benchmarks/allocator_faults.py                      # SmolLM2-135M, T = 64, B = 8, every setting
     python benchmarks/allocator_faults.py --model minilm-l6 --seq-len 32
 
 For each allocator setting (freed memory kept in the heap, as ``dptext finetune`` runs, ``dptext.allocator``;
-glibc's defaults; a fixed 128 KiB mmap threshold, as ``dptext.bench.MEMORY_ENV``) and each mode (non-private, book-keeping), a fresh subprocess loads the model, takes
-one warm-up step and then ``--steps`` timed steps, and reports per step: minor page faults, user and kernel CPU
-seconds (``getrusage``), the median wall time, and the process's peak RSS. Run it with nothing else on the machine.
+glibc's defaults; a fixed 128 KiB mmap threshold, as ``dptext.bench.MEMORY_ENV``) and each mode (non-private,
+book-keeping), a fresh subprocess loads the model, takes one warm-up step and then ``--steps`` timed steps, and
+reports per step: minor page faults, user and kernel CPU seconds (``getrusage``), the median wall time, and the
+process's peak RSS. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations

@@ -34,14 +34,15 @@ sys.path.insert(0, str(ROOT))
 
 from dptext.runs import DIAGNOSTICS, RunDir  # noqa: E402  (after the path: runs from a checkout without installing)
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from results_queue import LOWER_IS_BETTER, best_of, finished_scores  # noqa: E402  (the queue's searches choose as collect does)
+# the queue's searches choose as collect does
+from results_queue import LOWER_IS_BETTER, best_of, finished_scores  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 NLU = {"ser": "ser", "intent_accuracy": "intent_acc", "slot_f1": "slot_f1"}
-LRS = ("5e-4", "2e-3")  # each DP search's first grid; jobs.txt extends one upward while its best is at the top
-ATIS_LRS = LRS + ("5e-3",)
-SNIPS_LRS = LRS + ("5e-3",)
+# ATIS's and SNIPS's DP searches: 5e-4 and 2e-3 first, then 5e-3, since 2e-3 was the top and best of each first grid
+# (jobs.txt extends a grid upward while its best is at the top).
+NLU_LRS = ("5e-4", "2e-3", "5e-3")
 SST2_LRS = ("1e-4", "2e-4", "5e-4", "1e-3", "2e-3")
 
 
@@ -58,11 +59,11 @@ FILES = {
     "sst2": ({"accuracy": "accuracy"},
              {"nonprivate": ["sst2-nonprivate"], "eps8": Tuned("sst2-tune-lr{lr}", "sst2-eps8-lr{lr}", SST2_LRS),
               "eps3": Tuned("sst2-tune-lr{lr}", "sst2-eps3-lr{lr}", SST2_LRS)}),
-    "atis": (NLU, {"nonprivate": ["atis-nonprivate"], "dp_sgd_eps8": [f"atis-dpsgd-eps8-lr{lr}" for lr in ATIS_LRS],
-                   "edp_eps8": [f"atis-edp-eps8-lr{lr}" for lr in ATIS_LRS]}),
+    "atis": (NLU, {"nonprivate": ["atis-nonprivate"], "dp_sgd_eps8": [f"atis-dpsgd-eps8-lr{lr}" for lr in NLU_LRS],
+                   "edp_eps8": [f"atis-edp-eps8-lr{lr}" for lr in NLU_LRS]}),
     "snips": (NLU, {"nonprivate": ["snips-nonprivate"],
-                    "dp_sgd_eps8": [f"snips-dpsgd-eps8-lr{lr}" for lr in SNIPS_LRS],
-                    "edp_eps8": [f"snips-edp-eps8-lr{lr}" for lr in SNIPS_LRS]}),
+                    "dp_sgd_eps8": [f"snips-dpsgd-eps8-lr{lr}" for lr in NLU_LRS],
+                    "edp_eps8": [f"snips-edp-eps8-lr{lr}" for lr in NLU_LRS]}),
     "quickstart": ({"accuracy": "accuracy"}, {"nonprivate": ["quickstart-nonprivate"],
                                               "nonprivate_lr5e-4": ["quickstart-nonprivate-lr5e-4"],
                                               "nonprivate_lr1e-4": ["quickstart-nonprivate-lr1e-4"],

@@ -60,8 +60,9 @@ def _run_in_subprocess(spec: dict, env: dict | None = None) -> dict:
 
 def measure_mode(spec: dict, with_memory: bool) -> dict:
     """One mode, one round: the timed subprocess and, on CPU when ``with_memory``, the memory subprocess whose
-    peak RSS becomes ``peak_mb``/``step_mb``. The timed run's own peak (freed memory kept, as
-    ``dptext finetune`` runs: fragmentation included) is kept as ``peak_mb_timed_run``; a round without the memory run reports only that."""
+    peak RSS becomes ``peak_mb``/``step_mb``. The timed run's own peak (freed memory kept, as ``dptext finetune``
+    runs: fragmentation included) is kept as ``peak_mb_timed_run``; a round without the memory run reports only
+    that."""
     timed = _run_in_subprocess(spec)
     if spec["device"] != "cpu" or timed["status"] != "ok":
         return timed
