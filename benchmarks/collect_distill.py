@@ -1,7 +1,12 @@
-"""The DistilDP comparison table from the run directories `benchmarks/distill_offline.sh` writes.
+"""The DistilDP comparison from the run directories of one chain (benchmarks/jobs.txt's ``distill-long/``, or
+what `benchmarks/distill_offline.sh` writes).
 
-Usage: python benchmarks/collect_distill.py RUNS_DIR [--json]
-Rows: the teacher(s), then each student method; PPL is on the real test split (text only, code as the prompt).
+Usage: python benchmarks/collect_distill.py RUNS_DIR [--json]      (prints the table, or the entries as JSON)
+
+`benchmarks/collect_results.py collect` writes the same entries of ``RUNS/distill-long`` into
+``benchmarks/results/distill.json``, from which the README's table is generated. Rows: the pretrained model, the
+teacher(s), then each student; PPL is on the real test split (text only, code as the prompt). An entry is written
+only from a finished run.
 """
 
 from __future__ import annotations
@@ -10,47 +15,86 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
 
-from dptext.runs import RunDir  # noqa: E402  (after the path: runs from a checkout without installing)
+from collect_results import epsilon_pld, machine_and_commit, read_json, timing, wall_seconds  # noqa: E402
+from dptext.runs import DIAGNOSTICS, RunDir  # noqa: E402  (collect_results put the checkout on the path)
+from results_tables import DISTILL_ROWS  # noqa: E402
 
-ROWS = [("pretrained", "pretrained teacher model, no training"), ("teacher-eps2", "teacher (DP-SGD)"),
-        ("teacher-eps1", "DPKD teacher (DP-SGD)"),
-        ("zero_shot", "zero-shot student"), ("dp_sgd", "DP-SGD student"), ("dpkd", "DPKD student"),
-        ("synthetic_only", "DP synthetic data only (λ=0)"), ("distildp", "DistilDP (λ=0.4, t=1)")]
+# entry key -> run folder inside the chain's folder (the rows, in the table's order, are results_tables.DISTILL_ROWS)
+FOLDERS = {"pretrained": "pretrained", "teacher_eps2": "teacher-eps2", "zero_shot": "zero_shot", "dp_sgd": "dp_sgd",
+           "teacher_eps1": "teacher-eps1", "dpkd": "dpkd", "synthetic_only": "synthetic_only", "distildp": "distildp"}
+SYNTHETIC = "synthetic"  # the teacher's synthetic data (not a row: the students' training set)
 
 
-def row(run: Path, label: str) -> dict | None:
-    path = run / "result.json"
-    if not path.exists():
+def entry(run: Path, label: str) -> dict | None:
+    """One row: test perplexity, the (ε, δ) the model carries, its size, steps and time; None while unfinished."""
+    if not (run / "result.json").is_file():
         return None
-    result = json.loads(path.read_text())
+    result = read_json(run / "result.json")
     claim = result.get("privacy_claim")
+    privacy = result.get("privacy", {})
     if claim is None:  # a teacher: its own DP-SGD run
-        privacy = result["privacy"]
-        claim = {"epsilon": privacy["epsilon"][privacy["accountant"]]["epsilon"], "delta": privacy["delta"]}
+        claim = {"epsilon": privacy["epsilon"][privacy["accountant"]]["epsilon"], "delta": privacy["delta"],
+                 "composition": "one DP-SGD run"}
     student = result.get("student")
     model = (f"{student['source']} {len(student['layers'])}/{student['source_layers']} layers "
              f"({student['parameters'] / 1e6:.1f}M)") if student else result["model"]
-    return {"run": run.name, "method": label, "model": model, "epsilon": claim["epsilon"], "delta": claim["delta"],
-            "test_perplexity": result["metrics"].get("perplexity"), "seconds": RunDir(run).finished_seconds(),
-            "steps": result.get("privacy", {}).get("steps")}
+    directory = RunDir(run)
+    records = directory.read_metrics(DIAGNOSTICS) + directory.read_metrics()
+    clock = timing(records, 1.0 / privacy["sample_rate"]) if privacy.get("sample_rate") else {}
+    ledger = run / "ledger.json"
+    dp_sgd_ledger = read_json(ledger) if ledger.is_file() else {}
+    out = {"run": run.name, "method": label, "model": model, "test_perplexity": result["metrics"].get("perplexity"),
+           "epsilon": claim["epsilon"], "delta": claim["delta"], "composition": claim.get("composition"),
+           # the tight ε of the run's own DP-SGD steps (teachers and DP-SGD students); a DPKD student's is its share
+           "epsilon_pld_own_steps": epsilon_pld(dp_sgd_ledger) if dp_sgd_ledger.get("runs") else None,
+           "steps": result.get("steps_run", privacy.get("steps")), "noise_multiplier": privacy.get("noise_multiplier"),
+           "expected_batch_size": privacy.get("expected_batch_size"), "dataset_size": privacy.get("dataset_size"),
+           "train_seconds": clock.get("train_seconds"), "wall_seconds": wall_seconds(directory, records, clock)}
+    if (run / "provenance.json").is_file():
+        out.update(machine_and_commit(read_json(run / "provenance.json")))
+    return out
+
+
+def synthetic_entry(folder: Path) -> dict | None:
+    """What the students trained on: size, ε of the data (teacher + code histogram), coverage, copies."""
+    if not (folder / "provenance.json").is_file():
+        return None
+    provenance, summary = read_json(folder / "provenance.json"), read_json(folder / "summary.json")
+    copies = folder / "training_copies_not_private.json"
+    return {"run": folder.name, "n": summary["n"], "splits": summary["splits"], "privacy": provenance["privacy"],
+            "code_distribution": provenance["code_distribution"], "generation": provenance["generation"],
+            "code_coverage": {k: v for k, v in summary["code_coverage"].items() if k != "per_code"},
+            "length_tokens": summary["length_tokens"], "exact_duplicate_rate": summary["exact_duplicate_rate"],
+            "training_copies": read_json(copies) if copies.is_file() else None,
+            "throughput": summary.get("throughput_this_session")}
+
+
+def collect(root: Path) -> dict[str, dict]:
+    """Every finished row of the chain in ``root`` (and its synthetic data), keyed as in DISTILL_ROWS."""
+    found = {key: row for key, label in DISTILL_ROWS.items() if (row := entry(root / FOLDERS[key], label)) is not None}
+    if (synthetic := synthetic_entry(root / SYNTHETIC)) is not None:
+        found[SYNTHETIC] = synthetic
+    return found
 
 
 def main(argv: list[str]) -> int:
     root = Path(argv[0]) if argv else Path("runs/distill-offline")
-    rows = [r for name, label in ROWS if (r := row(root / name, label)) is not None]
+    rows = collect(root)
     if "--json" in argv:
         print(json.dumps(rows, indent=2))
         return 0
     print("| method | model | ε | δ | test PPL | steps | time (s) |")
     print("|---|---|---|---|---|---|---|")
-    for r in rows:
+    for key in DISTILL_ROWS:
+        if (r := rows.get(key)) is None:
+            continue
         eps = f"{r['epsilon']:.3g}" if r["epsilon"] is not None else "—"
         delta = f"{r['delta']:.2g}" if r["delta"] else "0"
         ppl = f"{r['test_perplexity']:.4g}" if r["test_perplexity"] is not None else "—"
-        seconds = f"{r['seconds']:.0f}" if r["seconds"] is not None else "—"
+        seconds = f"{r['wall_seconds']:.0f}" if r["wall_seconds"] is not None else "—"
         print(f"| {r['method']} | {r['model']} | {eps} | {delta} | {ppl} | {r['steps'] or '—'} | {seconds} |")
     return 0
 

@@ -44,6 +44,7 @@ NLU = {"ser": "ser", "intent_accuracy": "intent_acc", "slot_f1": "slot_f1"}
 # (jobs.txt extends a grid upward while its best is at the top).
 NLU_LRS = ("5e-4", "2e-3", "5e-3")
 SST2_LRS = ("1e-4", "2e-4", "5e-4", "1e-3", "2e-3")
+DISTILL_CHAIN = "distill-long"  # the DistilDP runs' folder (benchmarks/jobs.txt): distill.json, via collect_distill.py
 
 
 @dataclass(frozen=True)
@@ -129,17 +130,23 @@ def entry(run_dir: Path, metric_names: dict) -> dict:
         learning_rate=_recipe_value(recipe, "learning_rate"), sample_rate=privacy["sample_rate"],
         expected_batch_size=privacy["expected_batch_size"], dataset_size=privacy["dataset_size"],
         steps=result.get("steps_run", privacy["steps"]), planned_steps=privacy["steps"],
-        selection=result.get("selection"), **clock,
-        wall_seconds=clock["train_seconds"] - (clock_last(records) or 0.0) + run.finished_seconds(),
-        machine=f"{provenance['platform']} ({provenance['machine']}), {_cpus(provenance)}",
-        commit=provenance["git_revision"])
+        selection=result.get("selection"), **clock, wall_seconds=wall_seconds(run, records, clock),
+        **machine_and_commit(provenance))
     return out
 
 
-def clock_last(records: list[dict]) -> float | None:
-    """Seconds of the last invocation's last logged step (its full time: ``RunDir.finished_seconds``)."""
+def wall_seconds(run: RunDir, records: list[dict], clock: dict) -> float | None:
+    """The logged time of every invocation but the last, plus the last one's whole time (``finished_seconds``)."""
+    finished = run.finished_seconds()
+    if finished is None or not clock:
+        return finished
     timed = [r["seconds"] for r in records if "seconds" in r and "split" not in r]
-    return timed[-1] if timed else None
+    return clock["train_seconds"] - (timed[-1] if timed else 0.0) + finished
+
+
+def machine_and_commit(provenance: dict) -> dict:
+    return {"machine": f"{provenance['platform']} ({provenance['machine']}), {_cpus(provenance)}",
+            "commit": provenance["git_revision"]}
 
 
 def _recipe_value(resolved: str, key: str):
@@ -209,6 +216,14 @@ def collect(runs: Path, results: Path = RESULTS) -> dict[str, dict]:
             results.mkdir(parents=True, exist_ok=True)
             (results / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
             written[name] = data
+    from collect_distill import collect as collect_distill  # the sibling script (it imports this module)
+
+    path = results / "distill.json"
+    distill = {**(read_json(path) if path.is_file() else {}), **collect_distill(runs / DISTILL_CHAIN)}
+    if distill:
+        results.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(distill, indent=2) + "\n")
+        written["distill"] = distill
     return written
 
 

@@ -2,8 +2,9 @@
 
     nohup python benchmarks/results_queue.py benchmarks/jobs.txt >/dev/null 2>&1 &
 
-A job file has one job a line, ``NAME RECIPE [key=value ...] [env:VARIABLE=value ...]`` (``#`` starts a
-comment; ``{data}`` in a value is replaced by ``--data``, the shared data folder, and ``{runs}`` by ``--runs``, for
+A job file has one job a line, ``NAME [COMMAND] RECIPE [key=value ...] [env:VARIABLE=value ...]`` (``#`` starts a
+comment; COMMAND is ``finetune`` when left out, or ``distill`` (a distill recipe), or ``synth``, whose line is
+``NAME synth TEACHER_RUN [--option=value | --flag ...]``; ``{data}`` in a value is replaced by ``--data``, the shared data folder, and ``{runs}`` by ``--runs``, for
 data a benchmark script wrote there, such as the SST-2 tuning split; an ``env:`` word sets an environment variable
 of that job's process, fresh or resumed, e.g. ``env:DPTEXT_ALLOCATOR=default``). A search line
 ``@search NAME RUN METRIC VALUE ...`` makes ``{NAME}`` in the lines below it stand for the VALUE whose
@@ -13,9 +14,10 @@ SER and perplexity, highest otherwise); until every one of those runs has finish
 whose name comes out the same as an earlier job's is that job (it is not run twice). For each job, in
 file order:
 
-* ``RUNS/NAME/result.json`` exists: finished, skipped;
-* ``RUNS/NAME`` holds a run (``resolved.yaml``): ``dptext finetune --resume RUNS/NAME``;
-* otherwise: ``dptext finetune RECIPE overrides --out RUNS/NAME``;
+* ``RUNS/NAME/result.json`` exists (``provenance.json`` for synth): finished, skipped;
+* ``RUNS/NAME`` holds a run (``resolved.yaml``; ``plan.json`` for synth): ``dptext COMMAND --resume RUNS/NAME``
+  (synth: the same command again, which continues its folder);
+* otherwise: ``dptext COMMAND RECIPE overrides --out RUNS/NAME``;
 * it uses an undecided search: waiting, skipped.
 
 Each job runs under ``nice -n 19`` (other people need the 2 cores) with the dptext of the checkout
@@ -51,15 +53,21 @@ DEFAULT_DATA = CODE.parent / "shared" / "data"
 LOWER_IS_BETTER = {"ser", "perplexity"}
 SEARCH = "@search"
 ENV = "env:"
+COMMANDS = ("finetune", "distill", "synth")  # the dptext subcommands a job may run (finetune when not named)
+# What marks a job's folder finished, and started (resumable), per command: synth writes provenance.json last and
+# continues an unfinished folder when run again; finetune and distill write result.json last and take --resume.
+FINISHED = {"finetune": "result.json", "distill": "result.json", "synth": "provenance.json"}
+STARTED = {"finetune": "resolved.yaml", "distill": "resolved.yaml", "synth": "plan.json"}
 
 
 @dataclass(frozen=True)
 class Job:
     name: str
-    recipe: str
-    overrides: tuple[str, ...]
+    recipe: str  # for synth: the teacher run
+    overrides: tuple[str, ...]  # key=value for finetune and distill, --options for synth
     waiting_for: str | None = None  # the search this job's values come from, while it is undecided
     env: tuple[tuple[str, str], ...] = ()  # environment variables of the job's process (its env: words)
+    command: str = "finetune"
 
 
 def finished_scores(runs: Path, run_names: list[str], metric: str) -> list[float] | None:
@@ -99,8 +107,12 @@ def read_jobs(path: Path, data: Path, runs: Path = DEFAULT_RUNS) -> list[Job]:
             values = words[4:]
             chosen[words[1]] = best_value(runs, [words[2].replace("{value}", v) for v in values], values, words[3])
             continue
-        if len(words) < 2 or any("=" not in w for w in words[2:]):
-            raise ValueError(f"{path}:{number}: expected 'NAME RECIPE [key=value ...]', got {line.strip()!r}")
+        command = words.pop(1) if len(words) > 1 and words[1] in COMMANDS else "finetune"
+        options_ok = (lambda w: w.startswith("--")) if command == "synth" else (lambda w: "=" in w)
+        if len(words) < 2 or any(not (w.startswith(ENV) or options_ok(w)) for w in words[2:]):
+            expected = ("NAME synth TEACHER_RUN [--option=value ...]" if command == "synth"
+                        else f"NAME {'distill ' if command == 'distill' else ''}RECIPE [key=value ...]")
+            raise ValueError(f"{path}:{number}: expected '{expected}', got {line.strip()!r}")
         written.append(words[0])
         used = [name for name in chosen if "{" + name + "}" in line]
         undecided = next((name for name in used if chosen[name] is None), None)
@@ -111,7 +123,7 @@ def read_jobs(path: Path, data: Path, runs: Path = DEFAULT_RUNS) -> list[Job]:
             continue  # the search chose a value an earlier line already runs
         env = tuple(tuple(w[len(ENV):].split("=", 1)) for w in words[2:] if w.startswith(ENV))
         overrides = tuple(w for w in words[2:] if not w.startswith(ENV))
-        jobs.append(Job(words[0], words[1], overrides, undecided, env))
+        jobs.append(Job(words[0], words[1], overrides, undecided, env, command))
     duplicated = {n for n in written if written.count(n) > 1}
     if duplicated:
         raise ValueError(f"{path}: job names must be unique (they name the run folders): {sorted(duplicated)}")
@@ -122,16 +134,18 @@ def state_of(job: Job, runs: Path) -> str:
     if job.waiting_for is not None:
         return "waiting"
     run = runs / job.name
-    if (run / "result.json").is_file():
+    if (run / FINISHED[job.command]).is_file():
         return "finished"
-    if (run / "resolved.yaml").is_file():
+    if (run / STARTED[job.command]).is_file():
         return "started"
     return "new"
 
 
 def command_for(job: Job, runs: Path, python: str) -> list[str]:
     run = runs / job.name
-    base = ["nice", "-n", "19", python, "-m", "dptext", "finetune"]
+    base = ["nice", "-n", "19", python, "-m", "dptext", job.command]
+    if job.command == "synth":  # its folder is its resume state: the same command continues it
+        return base + [job.recipe, *job.overrides, "--out", str(run)]
     if state_of(job, runs) == "started":
         return base + ["--resume", str(run)]
     recipe = Path(job.recipe) if Path(job.recipe).is_absolute() else CODE / job.recipe

@@ -41,7 +41,7 @@ def _privacy(entry: dict) -> list[str]:
 
 
 def _hours(entry: dict) -> str:
-    return number(entry["wall_seconds"] / 3600, 1)
+    return "—" if entry["wall_seconds"] is None else number(entry["wall_seconds"] / 3600, 1)
 
 
 def _learning_rate(entry: dict) -> str:
@@ -110,7 +110,36 @@ def e2e(data: dict) -> list[str]:
                    "Li et al. BLEU (GPT-2, full E2E)"], rows)
 
 
-TABLES = ("sst2", "atis", "snips", "quickstart", "e2e_cpu")  # the result files this block renders (others, such
+# DistilDP's rows, in order (benchmarks/collect_distill.py maps each to its run folder)
+DISTILL_ROWS = {
+    "pretrained": "SmolLM2-135M, no training (reference)",
+    "teacher_eps2": "teacher, DP-SGD",
+    "zero_shot": "zero-shot student",
+    "dp_sgd": "DP-SGD student (whole ε on real data)",
+    "teacher_eps1": "DPKD teacher, DP-SGD at half the budget",
+    "dpkd": "DPKD: DP-SGD student on the KD loss with the rest",
+    "synthetic_only": "DP synthetic data only (λ = 0)",
+    "distildp": "**DistilDP** (λ = 0.4, t = 1)",
+}
+
+
+def _significant(value, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}g}"
+
+
+def distill(data: dict) -> list[str]:
+    rows = []
+    for key, label in DISTILL_ROWS.items():
+        e = data.get(key)
+        ours = [RUNNING] * 6 if e is None else [
+            e["model"], _significant(e["epsilon"]), _significant(e["delta"], 2) if e["delta"] else "0",
+            _significant(e["test_perplexity"], 4), e["steps"] or "—", _hours(e)]
+        rows.append([label, *ours])
+    return _table(["DistilDP (Amazon reviews, SmolLM2-135M, 4,000 reviews)", "model", "ε", "δ", "test PPL", "steps",
+                   "hours"], rows)
+
+
+TABLES = ("sst2", "atis", "snips", "quickstart", "e2e_cpu", "distill")  # the result files this block renders (others, such
 # as the bench grid's, have their own block)
 
 
@@ -118,9 +147,10 @@ def render(results: dict[str, dict]) -> str:
     results = {name: data for name, data in results.items() if name in TABLES}
     parts = [sst2(results.get("sst2", {})), nlu("atis", results.get("atis", {})),
              nlu("snips", results.get("snips", {})), quickstart(results.get("quickstart", {})),
-             e2e(results.get("e2e_cpu", {}))]
-    commits = sorted({e["commit"] for data in results.values() for e in data.values()})
-    machines = sorted({e["machine"] for data in results.values() for e in data.values()})
+             e2e(results.get("e2e_cpu", {})), distill(results.get("distill", {}))]
+    entries = [e for data in results.values() for e in data.values()]
+    commits = sorted({e["commit"] for e in entries if "commit" in e})  # the synthetic data's entry has neither
+    machines = sorted({e["machine"] for e in entries if "machine" in e})
     footer = [f"Code: {', '.join(commits) or '—'}. Machine: {'; '.join(machines) or '—'}."]
     return "\n\n".join("\n".join(p) for p in [*parts, footer])
 

@@ -176,3 +176,50 @@ def test_exact_codes_only_on_request_and_then_marked_not_covered(teacher, tmp_pa
     plan = json.loads((tmp_path / "exact" / "plan.json").read_text())["distribution"]
     assert "noisy_counts" not in plan and "exact_private_frequencies" in plan
     assert json.loads((tmp_path / "exact" / "provenance.json").read_text())["privacy"]["note"].startswith("NOT COVERED")
+
+
+def test_the_results_collector_reads_every_row_of_a_real_chain(teacher, tmp_path, capsys):
+    """benchmarks/collect_distill.py (README's DistilDP table) on the files the CLI really writes, laid out as the
+    results queue's chain: each row's ε is the one its run carries, DP-SGD rows also get their own PLD ε."""
+    import importlib.util
+    import sys
+
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    modules = {}
+    for name in ("collect_distill", "results_tables"):
+        spec = importlib.util.spec_from_file_location(name, benchmarks / f"{name}.py")
+        modules[name] = importlib.util.module_from_spec(spec)
+        sys.modules[name] = modules[name]
+        spec.loader.exec_module(modules[name])
+    collect_distill, tables = modules["collect_distill"], modules["results_tables"]
+
+    chain = tmp_path / "chain"
+    chain.mkdir()
+    (chain / "teacher-eps2").symlink_to(teacher)
+    cli(["synth", str(teacher), "--out", str(chain / "synthetic"), "--n", "16", "--batch-size", "8",
+         "--max-new-tokens", "6", "--validation-fraction", "0.25", "--code-epsilon", "0.1"], capsys)
+    common = dict(data=SLICE, task=TASK, privacy={"target_epsilon": 2.0}, train={"batch_size": 8, "max_steps": 2})
+    distill = {"teacher": str(teacher), "synthetic": str(chain / "synthetic"), "student_layers": [1]}
+    recipe = write_recipe(tmp_path / "distill.yaml", name="student", distill=distill, **common)
+    for method in ("distildp", "zero_shot", "dp_sgd"):
+        cli(["distill", str(recipe), f"distill.method={method}", "--out", str(chain / method)], capsys)
+    rows = collect_distill.collect(chain)
+
+    assert set(rows) == {"teacher_eps2", "synthetic", "distildp", "zero_shot", "dp_sgd"}
+    teacher_result = json.loads((teacher / "result.json").read_text())
+    eps_teacher = teacher_result["privacy"]["epsilon"]["rdp"]["epsilon"]
+    assert rows["teacher_eps2"]["epsilon"] == eps_teacher and rows["teacher_eps2"]["steps"] == 2
+    assert rows["distildp"]["epsilon"] == pytest.approx(eps_teacher + 0.1)
+    assert rows["synthetic"]["privacy"]["epsilon"] == pytest.approx(eps_teacher + 0.1) and rows["synthetic"]["n"] == 16
+    assert rows["dp_sgd"]["epsilon"] == 2.0 and rows["zero_shot"]["epsilon"] == 0
+    for key in ("teacher_eps2", "dp_sgd"):  # their own DP-SGD steps: PLD is tighter than the RDP bound they ran to
+        assert 0 < rows[key]["epsilon_pld_own_steps"] < rows[key]["epsilon"]
+    assert rows["distildp"]["epsilon_pld_own_steps"] is None  # its training is post-processing, no ledger of steps
+    for key in ("teacher_eps2", "distildp", "zero_shot", "dp_sgd"):
+        stored = json.loads((chain / collect_distill.FOLDERS[key] / "result.json").read_text())
+        assert rows[key]["test_perplexity"] == stored["metrics"]["perplexity"] > 1
+        assert rows[key]["wall_seconds"] > 0 and int(rows[key]["commit"][:40], 16) >= 0  # the git revision
+    assert rows["distildp"]["model"].startswith("tiny-llama 1/")
+    table = "\n".join(tables.distill(rows))
+    assert f"| {tables.DISTILL_ROWS['dpkd']} | running |" in table
+    assert f"| {rows['distildp']['test_perplexity']:.4g} |" in table and "| 2.1 |" in table  # ε: the teacher's 2 + 0.1

@@ -95,6 +95,56 @@ def test_new_started_and_finished_jobs_get_the_right_command(tmp_path):
     assert queue.next_job([], tmp_path, tmp_path, set()) is None
 
 
+def test_distill_and_synth_jobs_name_their_command_and_synth_continues_its_own_folder(tmp_path):
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text("t recipes/teacher.yaml data.path={data}/a\n"
+                    "s synth {runs}/t --n=20 --check-training-copies env:A=b\n"
+                    "d distill recipes/distill.yaml distill.synthetic={runs}/s\n")
+    parsed = queue.read_jobs(jobs, Path("/d"), Path("/r"))
+    assert [job.command for job in parsed] == ["finetune", "synth", "distill"]
+    assert parsed[1] == queue.Job("s", "/r/t", ("--n=20", "--check-training-copies"), None, (("A", "b"),), "synth")
+    runs = tmp_path / "runs"
+    synth, distill = parsed[1], parsed[2]
+    fresh = queue.command_for(synth, runs, "py")
+    assert fresh[3:] == ["py", "-m", "dptext", "synth", "/r/t", "--n=20", "--check-training-copies", "--out",
+                         str(runs / "s")]
+    (runs / "s").mkdir(parents=True)
+    (runs / "s" / "plan.json").write_text("{}")  # an interrupted synth: started, and the same command continues it
+    assert queue.state_of(synth, runs) == "started" and queue.command_for(synth, runs, "py") == fresh
+    (runs / "s" / "result.json").write_text("{}")  # not synth's end marker
+    assert queue.state_of(synth, runs) == "started"
+    (runs / "s" / "provenance.json").write_text("{}")
+    assert queue.state_of(synth, runs) == "finished"
+    assert queue.command_for(distill, runs, "py")[3:7] == ["py", "-m", "dptext", "distill"]
+    (runs / "d").mkdir()
+    (runs / "d" / "resolved.yaml").write_text("name: x\n")
+    assert queue.command_for(distill, runs, "py")[-2:] == ["--resume", str(runs / "d")]
+    for bad in ("s synth {runs}/t n=20\n", "d distill recipes/distill.yaml --flag\n"):
+        jobs.write_text(bad)
+        with pytest.raises(ValueError, match="jobs.txt:1"):
+            queue.read_jobs(jobs, Path("/d"), Path("/r"))
+
+
+def test_every_job_in_the_job_list_loads_as_a_recipe_with_its_overrides():
+    """A misspelt override in benchmarks/jobs.txt would fail only when its job starts, hours into the queue."""
+    from dptext.config import load_recipe
+
+    jobs = queue.read_jobs(BENCHMARKS / "jobs.txt", Path("/d"), Path("/r"))
+    assert any(job.command == "distill" for job in jobs) and any(job.command == "synth" for job in jobs)
+    import typer.main
+
+    from dptext.cli.app import build_app
+
+    synth = next(c for c in typer.main.get_command(build_app()).commands.values() if c.name == "synth")
+    synth_options = {option for param in synth.params for option in param.opts}
+    for job in jobs:
+        if job.command == "synth":
+            unknown = [word for word in job.overrides if word.split("=", 1)[0] not in synth_options]
+            assert not unknown, f"{job.name}: dptext synth has no option {unknown}"
+        elif job.waiting_for is None:
+            load_recipe(queue.CODE / job.recipe, list(job.overrides))
+
+
 @pytest.mark.slow  # four dptext processes: ~1 min on an idle 2-core machine, 11 min on a busy one
 def test_queue_runs_resumes_and_skips(shared_data, tmp_path):
     jobs = tmp_path / "jobs.txt"

@@ -177,3 +177,20 @@ def test_every_run_a_table_waits_for_is_in_the_job_list():
                 continue  # its final run's name is decided by the search (an @search line)
             missing = [name for name in candidates if name not in named]
             assert not missing, f"{missing} in collect_results.FILES but not in benchmarks/jobs.txt"
+    import collect_distill  # collect_results put benchmarks/ on the path
+
+    chain = [f"{collect.DISTILL_CHAIN}/{folder}" for folder in [*collect_distill.FOLDERS.values(), "synthetic"]]
+    assert not [name for name in chain if name not in named], "a DistilDP row's run is not in benchmarks/jobs.txt"
+
+
+def test_distill_entries_come_from_the_chain_folder_and_committed_ones_are_kept(tmp_path):
+    runs, out = tmp_path / "runs", tmp_path / "results"
+    runs.mkdir()
+    assert "distill" not in collect.collect(runs, out) and not (out / "distill.json").exists()
+    out.mkdir()
+    committed = {"teacher_eps2": {"model": "m", "epsilon": 2.0, "delta": 1e-4, "test_perplexity": 30.0, "steps": 64,
+                                  "wall_seconds": 3600.0, "commit": "abc", "machine": "x"}}
+    (out / "distill.json").write_text(json.dumps(committed))
+    assert collect.collect(runs, out)["distill"] == committed
+    text = tables.render({"distill": committed})
+    assert "| teacher, DP-SGD | m | 2 | 0.0001 | 30 | 64 | 1.0 |" in text and "| zero-shot student | running |" in text
