@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_fsdp import C, N, full, losses, shard, tiny_lm, token_ids
+from test_fsdp import C, N, VOCAB, full, losses, shard, tiny_lm, token_ids
 from two_ranks import run_two_ranks
 
 TIMEOUT = 240
@@ -67,6 +67,51 @@ def resumed_step(ctx, mine, folder: Path) -> dict:
     dp_step(resumed, mine)
     return {"saved": saved_state, "restored": restored_state, "straight": weights(straight),
             "resumed": weights(resumed), "requires_grad_after_load": frozen}
+
+
+class LateLayerLM(torch.nn.Module):
+    """The tiny LM with one more layer that the forward pass skips until ``use_late`` is set: before that it gets
+    no gradient, so a non-private Adam keeps no state for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = tiny_lm()
+        self.blocks = self.lm.blocks
+        self.late = torch.nn.Linear(VOCAB, VOCAB).double()
+        self.use_late = False
+
+    def forward(self, input_ids):
+        logits = self.lm(input_ids)
+        return self.late(logits) if self.use_late else logits
+
+
+def non_private_step(training, mine, use_late: bool) -> None:
+    training.model.use_late = use_late
+    losses(training.model, token_ids()[mine]).sum().backward()
+    training.optimizer.step()
+    training.optimizer.zero_grad()
+
+
+def non_private_resume(ctx, mine, folder: Path) -> dict:
+    """A non-private sharded Adam run saved while one layer had never had a gradient, read back, then a step that
+    uses the layer: DCP refused the read (the fresh optimizer's state has entries the checkpoint lacks)."""
+    from dptext.finetune.sharded_checkpoint import load_weights, save_weights
+
+    def build():
+        model = shard(LateLayerLM(), ctx)
+        return SimpleNamespace(dist=ctx, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+
+    straight = build()
+    non_private_step(straight, mine, use_late=False)
+    name = save_weights(straight, folder, 1)
+    saved_states = len(straight.optimizer.state)
+    non_private_step(straight, mine, use_late=True)
+    resumed = build()
+    load_weights(resumed, folder, name)
+    restored_states = len(resumed.optimizer.state)
+    non_private_step(resumed, mine, use_late=True)
+    return {"saved_states": saved_states, "restored_states": restored_states, "straight": weights(straight),
+            "resumed": weights(resumed), "adam_straight": adam_state(straight), "adam_resumed": adam_state(resumed)}
 
 
 def listing(folder: Path) -> list[str]:
@@ -122,7 +167,8 @@ def worker(out: Path) -> None:
     mine = ctx.shard(N)
     folder = out / "checkpoints"  # the same folder on both ranks (one machine), as in a run directory
     results = {"resume": resumed_step(ctx, mine, folder / "resume"),
-               "saves": interrupted_saves(ctx, mine, folder / "saves")}
+               "saves": interrupted_saves(ctx, mine, folder / "saves"),
+               "non_private": non_private_resume(ctx, mine, folder / "non-private")}
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
 
@@ -153,6 +199,18 @@ def test_a_killed_save_leaves_the_checkpoint_before_it_readable(two_ranks):
     assert saves["second"] == "step-00000004.2.dcp"  # the folder step-4.pt points to stays until it is pruned
     assert saves["after_second"] == ["step-00000004.2.dcp", "step-00000004.dcp", "step-00000004.pt"]
     assert saves["after_later"] == ["step-00000006.dcp"]
+
+
+def test_a_non_private_resume_with_a_never_graded_layer_continues_the_straight_run(two_ranks):
+    for rank in two_ranks:
+        result = rank["non_private"]
+        assert result["restored_states"] == result["saved_states"] == 9  # the tiny LM's; none for the late layer
+        for name, value in result["straight"].items():
+            assert torch.equal(result["resumed"][name], value), name
+        assert result["adam_resumed"]["late.weight"]["step"].item() == 1  # Adam began on it after the resume
+        for name, state in result["adam_straight"].items():
+            for key, value in state.items():
+                assert torch.equal(result["adam_resumed"][name][key], value), (name, key)
 
 
 def test_a_resume_that_restores_fewer_optimizer_states_than_saved_refuses():

@@ -83,8 +83,9 @@ def load_weights(training: Any, checkpoints: Path, name: str) -> None:
     continues with the straight run's weights, Adam moments and step counts (tests/test_fsdp_checkpoint.py)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
     folder = checkpoints / name
     metadata = folder / _stored_name(".metadata")
@@ -99,16 +100,32 @@ def load_weights(training: Any, checkpoints: Path, name: str) -> None:
             original = "." + stored.name[:-len(SUFFIX)] if stored == metadata else stored.name[:-len(SUFFIX)]
             _link_or_copy(stored, staging / original)
     dist.barrier()
+    saved_keys = set(dcp.FileSystemReader(str(staging)).read_metadata().state_dict_metadata)
     with all_requiring_grad(training.optimizer):
         state = {"model": get_model_state_dict(training.model),
-                 "optimizer": get_optimizer_state_dict(training.model, training.optimizer)}
+                 "optimizer": only_saved_states(get_optimizer_state_dict(training.model, training.optimizer),
+                                                saved_keys)}
         dcp.load(state, checkpoint_id=str(staging))
         set_model_state_dict(training.model, state["model"])
-        set_optimizer_state_dict(training.model, training.optimizer, state["optimizer"])
+        # not strict: a parameter the checkpoint holds no state for (only_saved_states) is expected; it is left
+        # without state (optimizer.load_state_dict replaces the fresh states), and the count check refuses any other
+        # difference
+        set_optimizer_state_dict(training.model, training.optimizer, state["optimizer"],
+                                 options=StateDictOptions(strict=False))
     _check_optimizer_restored(training.optimizer, state["optimizer"])
     dist.barrier()
     if training.dist.is_writer:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def only_saved_states(optimizer_state: dict, saved_keys: set[str]) -> dict:
+    """The optimizer state to read, cut to the parameters the checkpoint holds state for. torch's
+    ``get_optimizer_state_dict`` gives a fresh optimizer state for every parameter, but a parameter that had no
+    gradient before the save (a non-private run: Adam skips it) has none in the checkpoint, and DCP refused the whole
+    read ("Missing key in checkpoint state_dict"); such a parameter stays without state, as in the run that saved."""
+    state = {fqn: values for fqn, values in optimizer_state["state"].items()
+             if any(f"optimizer.state.{fqn}.{key}" in saved_keys for key in values)}
+    return {**optimizer_state, "state": state}
 
 
 @contextmanager
