@@ -213,6 +213,19 @@ def test_a_non_private_resume_with_a_never_graded_layer_continues_the_straight_r
                 assert torch.equal(result["adam_resumed"][name][key], value), (name, key)
 
 
+def test_optimizer_states_are_read_only_where_saved_and_every_saved_one_must_be_read():
+    from dptext.errors import UserError
+    from dptext.finetune.sharded_checkpoint import only_saved_states
+
+    fresh = {"state": {"a.weight": {"step": 0, "exp_avg": 0}, "late.weight": {"step": 0, "exp_avg": 0}},
+             "param_groups": [{"lr": 0.1}]}
+    saved = {"optimizer.state.a.weight.step", "optimizer.state.a.weight.exp_avg", "optimizer.param_groups.a.weight.lr"}
+    read = only_saved_states(fresh, saved)
+    assert list(read["state"]) == ["a.weight"] and read["param_groups"] == fresh["param_groups"]
+    with pytest.raises(UserError, match="optimizer.state.renamed.weight.step"):
+        only_saved_states(fresh, saved | {"optimizer.state.renamed.weight.step"})
+
+
 def test_a_resume_that_restores_fewer_optimizer_states_than_saved_refuses():
     from dptext.errors import UserError
     from dptext.finetune.sharded_checkpoint import _check_optimizer_restored

@@ -122,9 +122,16 @@ def only_saved_states(optimizer_state: dict, saved_keys: set[str]) -> dict:
     """The optimizer state to read, cut to the parameters the checkpoint holds state for. torch's
     ``get_optimizer_state_dict`` gives a fresh optimizer state for every parameter, but a parameter that had no
     gradient before the save (a non-private run: Adam skips it) has none in the checkpoint, and DCP refused the whole
-    read ("Missing key in checkpoint state_dict"); such a parameter stays without state, as in the run that saved."""
+    read ("Missing key in checkpoint state_dict"); such a parameter stays without state, as in the run that saved.
+    Every state the checkpoint holds must find its parameter: one saved under a name this model lacks would
+    otherwise be skipped, and Adam would restart on that parameter unnoticed."""
     state = {fqn: values for fqn, values in optimizer_state["state"].items()
              if any(f"optimizer.state.{fqn}.{key}" in saved_keys for key in values)}
+    read = {f"optimizer.state.{fqn}.{key}" for fqn, values in state.items() for key in values}
+    unread = sorted(key for key in saved_keys if key.startswith("optimizer.state.") and key not in read)
+    if unread:
+        raise UserError(f"The checkpoint holds optimizer state this model has no place for ({unread[0]}), so this "
+                        "resume would not continue the same run; resume with the model and recipe that saved it.")
     return {**optimizer_state, "state": state}
 
 
