@@ -135,7 +135,14 @@ def ghost_collectives(ctx) -> dict:
         refusal = ""
     except UserError as error:
         refusal = str(error)
-    return {"scatters": len(calls), "left": left, "refusal": refusal}
+    engine.detach()  # training on without DP: FSDP2 must average again, as on a model no engine touched
+    plain = shard(tiny_lm(), ctx)
+    for each in (model, plain):
+        each.zero_grad()
+        losses(each, token_ids()[ctx.shard(N)]).sum().backward()
+    detached = {name: (full(p.grad), full(dict(plain.named_parameters())[name].grad))
+                for name, p in model.named_parameters()}
+    return {"scatters": len(calls), "left": left, "refusal": refusal, "detached": detached}
 
 
 def outside_read_refusal(ctx) -> str:
@@ -267,6 +274,12 @@ def test_ghost_reduce_scatters_once_per_group_and_leaves_no_gradient(two_ranks):
     for rank in two_ranks:
         assert rank["ghost"]["scatters"] == GROUPS  # the norm-only pass reduce-scattered nothing
         assert rank["ghost"]["left"] == []
+
+
+def test_a_detached_ghost_engine_gives_fsdp2_its_mean_reduction_back(two_ranks):
+    for rank in two_ranks:
+        for name, (detached, plain) in rank["ghost"]["detached"].items():
+            assert torch.equal(detached, plain), name
 
 
 def test_ghost_bound_is_checked_over_every_ranks_rows(two_ranks):

@@ -20,7 +20,7 @@ from dptext.errors import UserError
 from dptext.finetune.task_probe import verify_with_task
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.clipped_step import ghost_join
-from dptext.privacy.sharded import check_ghost_supported
+from dptext.privacy.fsdp_controls import check_ghost_supported
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dptext.errors import UserError
 from dptext.privacy import clipping
-from dptext.privacy.sharded import gradient_sync_off, local_grads
+from dptext.privacy.fsdp_controls import gradient_sync_off, local_grads
 from dptext.privacy.step_checks import check_invariant, checked_uses
 from dptext.privacy.units import UnitIndex, unit_gradients_instantiated
 
@@ -140,7 +140,7 @@ def _norm_pass(engine, per_example_loss: Tensor) -> None:
 
 def _sum_pass(engine, weighted_loss: Tensor) -> dict:
     """Pass 2: Σ_i c_i·loss_i differentiated by autograd; under FSDP2 each parameter's gradient is this rank's rows
-    of the sum over the ranks (FSDP2's reduce-scatter, ``dptext.privacy.sharded.sum_in_backward``)."""
+    of the sum over the ranks (FSDP2's reduce-scatter, ``dptext.privacy.fsdp_controls.sum_in_backward``)."""
     for param in engine.params:
         param.grad = None
     weighted_loss.sum().backward()

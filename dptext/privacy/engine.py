@@ -45,7 +45,8 @@ from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names,
                                  find_tracked_modules, unproven_rules)
 from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
-from dptext.privacy.sharded import noise_site, sharded_optimizer, whole_weights
+from dptext.privacy.fsdp_controls import whole_weights
+from dptext.privacy.sharded import noise_site, sharded_optimizer
 from dptext.privacy.step_checks import check_trainable_set, parameter_names
 from dptext.privacy.units import LogicalBatchUnits, unit_index
 from dptext.privacy.user_sampler import UserPoissonSampler, make_user_sampler
@@ -295,8 +296,9 @@ class PrivacyEngine:
         self.dp_optimizer.noise.load_state_dict(state["noise"])
 
     def detach(self) -> None:
-        """Remove the hooks and give the parameters back to autograd."""
+        """Remove the hooks, give the parameters back to autograd and FSDP2 its own gradient reduction."""
         self.recorder.remove()
         self.outside_reads.remove()
+        self.dp_optimizer.release()
         for param in self.params:
             param.requires_grad_(True)

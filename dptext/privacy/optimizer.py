@@ -180,6 +180,9 @@ class DPOptimizer:
         self.summed = {}
         self.examples_seen = 0
 
+    def release(self) -> None:
+        """Undo what this optimizer changed outside itself (``engine.detach``); nothing here."""
+
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 

@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import os
 import zlib
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dptext.errors import UserError
 from dptext.privacy.clipping import invariant_tolerance, judge_squared_sums
+from dptext.privacy.fsdp_controls import sum_in_backward
 from dptext.privacy.optimizer import DPOptimizer
 from dptext.privacy.randomness import RandomRoot
 from dptext.privacy.step_checks import invariant_failed
@@ -110,11 +109,13 @@ class ShardedDPOptimizer(DPOptimizer):
     """``DPOptimizer`` for FSDP2-sharded parameters: reduce-scatter of the clipped sums, noise on each rank's own
     rows, the result set as each parameter's sharded gradient."""
 
-    def __init__(self, *args, rank: int, world_size: int, backward_reduces: bool = False, **kwargs):
-        """``backward_reduces`` (ghost clipping): the sums arrive already reduce-scattered (``add_reduced``)."""
+    def __init__(self, *args, rank: int, world_size: int, backward_reduces: bool = False, restore=None, **kwargs):
+        """``backward_reduces`` (ghost clipping): the sums arrive already reduce-scattered (``add_reduced``), and
+        ``restore`` (from ``sum_in_backward``) gives FSDP2 back its own reduction on ``release``."""
         super().__init__(*args, **kwargs)
         self.rank, self.world_size = rank, world_size
         self.backward_reduces = backward_reduces
+        self.restore = restore
         self.reduced: dict[nn.Parameter, Tensor] = {}
 
     def add_reduced(self, rows: dict[nn.Parameter, Tensor], units: int) -> None:
@@ -207,6 +208,11 @@ class ShardedDPOptimizer(DPOptimizer):
         super().zero_grad()
         self.reduced = {}
 
+    def release(self) -> None:
+        if self.restore is not None:
+            self.restore()
+            self.restore = None
+
 
 def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool) -> ShardedDPOptimizer:
     """The engine's DP optimizer over FSDP2-sharded parameters, its noise key shared from rank 0."""
@@ -218,79 +224,10 @@ def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool
     noise.share_key(engine.distributed.broadcast)
     context = engine.distributed
     ghost = engine.clipping_mode == "ghost"
-    if ghost:
-        sum_in_backward(engine.model)
     return ShardedDPOptimizer(optimizer, engine.params, engine.noise_multiplier, engine.max_grad_norm,
                               engine.expected_batch_size, noise, rank=context.rank, world_size=context.world_size,
-                              backward_reduces=ghost)
-
-
-def fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
-
-
-SUM_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params")
-
-
-def check_ghost_supported() -> None:
-    """Ghost clipping under FSDP2 needs FSDP2's reduce-scatter set to a plain sum (``sum_in_backward``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    missing = [name for name in SUM_SETTERS if not hasattr(FSDPModule, name)]
-    if missing:
-        raise UserError(f"This torch's FSDP2 has no {missing[0]}, which ghost clipping with train.sharding=fsdp "
-                        "needs; upgrade torch (2.13 is tested) or use privacy.clipping_mode=bookkeeping.")
-
-
-def sum_in_backward(model: nn.Module) -> None:
-    """FSDP2's reduce-scatter as ghost clipping's second pass needs it: a plain sum over the ranks (not the mean,
-    and SUM rather than a pre-multiplied sum, which gloo lacks), and every trainable parameter sent even when a
-    rank's pass gave it no gradient, so that all ranks reduce-scatter the same layout."""
-    check_ghost_supported()
-    for module in fsdp_modules(model):
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)
-        module.set_reduce_scatter_unused_params(True, recurse=False)
-
-
-@contextmanager
-def gradient_sync_off(model: nn.Module):
-    """Ghost clipping's first (norm-only) pass: FSDP2 reshards after it but must not reduce-scatter."""
-    modules = fsdp_modules(model)
-    for module in modules:
-        module.set_requires_gradient_sync(False, recurse=False)
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.set_requires_gradient_sync(True, recurse=False)
-
-
-def local_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, Tensor]:
-    """Each sharded parameter's gradient as this rank's local rows; the gradients are then dropped."""
-    rows = {param: param.grad.to_local() for param in params if param.grad is not None}
-    for param in params:
-        param.grad = None
-    return rows
+                              backward_reduces=ghost, restore=sum_in_backward(engine.model) if ghost else None)
 
 
 def noise_site(context) -> str:
     return ", each rank drawing its own shard's coordinates once" if context.sharded else " on rank 0"
-
-
-@contextmanager
-def whole_weights(model: nn.Module):
-    """Every FSDP2 module of ``model`` holding its gathered weights (all ranks enter it together): a rule that
-    checks a layer numerically (RMSNorm's structural match) runs the layer, which a sharded weight cannot."""
-    from torch.distributed.fsdp import FSDPModule
-
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for module in sharded:
-        module.unshard()
-    try:
-        yield
-    finally:
-        for module in sharded:
-            module.reshard()

@@ -1,0 +1,91 @@
+"""What dptext sets on FSDP2's own modules (``train.sharding: fsdp``; the DP step itself is
+``dptext.privacy.sharded``): ghost clipping's summed reduce-scatter and its undoing, gradient sync off for its
+norm-only pass, each rank's local gradient rows, and the whole weights a numerical rule check needs.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from torch import Tensor, nn
+
+from dptext.errors import UserError
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+SUM_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params")
+
+
+def check_ghost_supported() -> None:
+    """Ghost clipping under FSDP2 needs FSDP2's reduce-scatter set to a plain sum (``sum_in_backward``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    missing = [name for name in SUM_SETTERS if not hasattr(FSDPModule, name)]
+    if missing:
+        raise UserError(f"This torch's FSDP2 has no {missing[0]}, which ghost clipping with train.sharding=fsdp "
+                        "needs; upgrade torch (2.13 is tested) or use privacy.clipping_mode=bookkeeping.")
+
+
+REDUCTION = ("gradient_divide_factor", "force_sum_reduction_for_comms", "reduce_scatter_unused_params")
+
+
+def sum_in_backward(model: nn.Module):
+    """FSDP2's reduce-scatter as ghost clipping's second pass needs it: a plain sum over the ranks (not the mean,
+    and SUM rather than a pre-multiplied sum, which gloo lacks), and every trainable parameter sent even when a
+    rank's pass gave it no gradient, so that all ranks reduce-scatter the same layout. Returns the function that
+    puts FSDP2's own settings back (``engine.detach``: training on without DP must average again)."""
+    check_ghost_supported()
+    groups = [group for module in fsdp_modules(model) for group in module._get_fsdp_state()._fsdp_param_groups]
+    saved = [{name: getattr(group, name) for name in REDUCTION} for group in groups]
+    for module in fsdp_modules(model):
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+
+    def restore() -> None:
+        for group, settings in zip(groups, saved):
+            for name, value in settings.items():
+                setattr(group, name, value)
+    return restore
+
+
+@contextmanager
+def gradient_sync_off(model: nn.Module):
+    """Ghost clipping's first (norm-only) pass: FSDP2 reshards after it but must not reduce-scatter."""
+    modules = fsdp_modules(model)
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+
+
+def local_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, Tensor]:
+    """Each sharded parameter's gradient as this rank's local rows; the gradients are then dropped."""
+    rows = {param: param.grad.to_local() for param in params if param.grad is not None}
+    for param in params:
+        param.grad = None
+    return rows
+
+
+@contextmanager
+def whole_weights(model: nn.Module):
+    """Every FSDP2 module of ``model`` holding its gathered weights (all ranks enter it together): a rule that
+    checks a layer numerically (RMSNorm's structural match) runs the layer, which a sharded weight cannot."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
