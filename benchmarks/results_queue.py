@@ -190,6 +190,16 @@ def run_queue(job_files: list[Path], runs: Path, data: Path, python: str) -> int
     return len(failed)
 
 
+def last_progress(log: Path) -> str:
+    """The last progress line a job printed ("training: 94/197 (1920s eta 2354s) ..."), for ``--list``."""
+    if not log.is_file():
+        return ""
+    with open(log, "rb") as handle:
+        handle.seek(max(0, log.stat().st_size - 4096))
+        lines = handle.read().decode("utf-8", "replace").replace("\r", "\n").splitlines()
+    return next((line.strip() for line in reversed(lines) if "/" in line and ":" in line and "eta" in line), "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("jobs", nargs="+", type=Path, help="job files, run in the order given")
@@ -205,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for path in args.jobs:
             for job in read_jobs(path, args.data, args.runs):
-                print(f"{state_of(job, args.runs):9} {job.name}")
+                state = state_of(job, args.runs)
+                progress = f"  {last_progress(args.runs / f'{job.name}.log')}" if state == "started" else ""
+                print(f"{state:9} {job.name}{progress}")
         return 0
     lock = open(args.runs / "queue.lock", "a+")
     try:

@@ -125,6 +125,20 @@ def test_distill_and_synth_jobs_name_their_command_and_synth_continues_its_own_f
             queue.read_jobs(jobs, Path("/d"), Path("/r"))
 
 
+def test_list_shows_a_started_jobs_last_progress_line(tmp_path, capsys):
+    assert queue.last_progress(tmp_path / "absent.log") == ""
+    log = tmp_path / "run1.log"
+    log.write_text("Run directory: /r\ntraining: 1/9 (3s eta 24s) loss=2.0\ntraining: 2/9 (6s eta 21s) loss=1.9\r"
+                   "evaluating: 4/8 (1s eta 1s)\nwarning: something\n")
+    assert queue.last_progress(log) == "evaluating: 4/8 (1s eta 1s)"
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text("run1 recipes/quickstart.yaml\nrun2 recipes/quickstart.yaml\n")
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "run1" / "resolved.yaml").write_text("name: x\n")
+    assert queue.main([str(jobs), "--runs", str(tmp_path), "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["started   run1  evaluating: 4/8 (1s eta 1s)", "new       run2"]
+
+
 def test_every_job_in_the_job_list_loads_as_a_recipe_with_its_overrides():
     """A misspelt override in benchmarks/jobs.txt would fail only when its job starts, hours into the queue."""
     from dptext.config import load_recipe
