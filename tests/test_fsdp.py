@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 from fsdp_models import N, VOCAB, FunctionalHead, full, losses, shard, tiny_lm, token_ids
-from two_ranks import run_two_ranks
+from two_ranks import check_fails_on_rank_1, run_two_ranks
 
 C = 0.5
 CASES = (("bookkeeping", "all_layer"), ("ghost", "all_layer"), ("per_sample", "all_layer"),
@@ -145,6 +145,27 @@ def ghost_collectives(ctx) -> dict:
     return {"scatters": len(calls), "left": left, "refusal": refusal, "detached": detached}
 
 
+def refused_on_one_rank(ctx, mode: str) -> dict:
+    """Rank 1's per-step check fails (forced) on its micro-batch: both ranks refuse at the step, nothing applied."""
+    from dptext.errors import UserError
+    from dptext.privacy import PrivacyEngine
+
+    model = shard(tiny_lm(), ctx)
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode,
+                           distributed=ctx)
+    before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    with check_fails_on_rank_1(ctx.rank):
+        engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
+    try:
+        engine.step()
+        refusal = ""
+    except UserError as error:
+        refusal = str(error)
+    unchanged = all(torch.equal(full(p), before[name]) for name, p in model.named_parameters())
+    return {"refusal": refusal, "unchanged": unchanged}
+
+
 def outside_read_refusal(ctx) -> str:
     from dptext.errors import UserError
     from dptext.privacy import PrivacyEngine
@@ -182,6 +203,7 @@ def worker(out: Path) -> None:
         "bytes": adam_bytes(ctx),
         "ghost": ghost_collectives(ctx),
         "outside_read": outside_read_refusal(ctx),
+        "refused": {mode: refused_on_one_rank(ctx, mode) for mode in ("bookkeeping", "ghost")},
         "non_private": non_private_mean(ctx, mine),
         "uneven": {mode: uneven_update(ctx, mode) for mode in ("bookkeeping", "ghost")},
     }
@@ -286,6 +308,14 @@ def test_ghost_bound_is_checked_over_every_ranks_rows(two_ranks):
     for rank in two_ranks:  # every rank refuses the same step (a single one would leave the others waiting)
         assert "per-step privacy check failed" in rank["ghost"]["refusal"]
         assert "units × C" in rank["ghost"]["refusal"]
+
+
+@pytest.mark.parametrize("mode", ("bookkeeping", "ghost"))
+def test_a_check_failed_on_one_rank_stops_every_sharded_rank_at_the_step(two_ranks, mode):
+    mine, other = two_ranks[1]["refused"][mode], two_ranks[0]["refused"][mode]
+    assert "forced on rank 1" in mine["refusal"]
+    assert other["refusal"].startswith("Another process's per-step privacy check failed")
+    assert mine["unchanged"] and other["unchanged"]
 
 
 def test_ghost_refuses_a_parameter_read_outside_its_layer_under_sharding(two_ranks):

@@ -73,6 +73,14 @@ class DistributedContext:
             start += n
         return out
 
+    def any_rank(self, flag: bool, device: torch.device) -> bool:
+        """Whether ``flag`` is true on any rank (every rank calls it: one scalar all-reduce on ``device``)."""
+        if not self.active:
+            return flag
+        box = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(box, op=dist.ReduceOp.SUM)
+        return bool(box.item() > 0)
+
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
         if not self.active:

@@ -117,7 +117,8 @@ class PrivacyEngine:
             self.dp_optimizer = DPOptimizer(optimizer, self.params, self.noise_multiplier, self.max_grad_norm,
                                             self.expected_batch_size, NoiseSource(self.root, secure_rng, self.rank),
                                             reduce=self.distributed.all_reduce_sum if self.distributed else None,
-                                            adds_noise=self.distributed is None or self.distributed.rank == 0)
+                                            adds_noise=self.distributed is None or self.distributed.rank == 0,
+                                            any_rank=self.distributed.any_rank if self.distributed else None)
         self.dp_optimizer.param_names = self.param_names()
 
     def _plan(self) -> None:

@@ -28,6 +28,9 @@ from dptext.privacy.parallel_noise import normals
 from dptext.privacy.randomness import RandomRoot
 from dptext.errors import UserError
 
+OTHER_RANK_REFUSED = ("Another process's per-step privacy check failed in this logical batch (its own error names the "
+                      "parameter); nothing from this batch was applied on any process.")
+
 
 NOISE_GROUP = 1 << 22  # coordinates whose noise is drawn together: 16 MB of fp32, 4 chunks for the pool
 
@@ -98,10 +101,12 @@ class DPOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: float, noise: NoiseSource,
                  reduce: Callable[[dict], dict] | None = None, adds_noise: bool = True,
-                 scale: dict[nn.Parameter, float] | None = None):
+                 scale: dict[nn.Parameter, float] | None = None,
+                 any_rank: Callable[[bool, torch.device], bool] | None = None):
         """``reduce`` sums the noisy sums over processes (dptext.privacy.distributed); ``adds_noise`` is False on
         every rank but 0 there, so the noise is drawn once. ``scale`` multiplies a parameter's noisy sum after
-        the reduction (eDP-SGD's α_l: clipping and noise happen in the scaled space)."""
+        the reduction (eDP-SGD's α_l: clipping and noise happen in the scaled space). ``any_rank`` (several
+        processes) tells every rank whether any rank refused the logical batch (``refuse``, ``collective_verdict``)."""
         self.optimizer = optimizer
         self.params = params
         self.noise_multiplier = noise_multiplier
@@ -111,6 +116,8 @@ class DPOptimizer:
         self.reduce = reduce
         self.adds_noise = adds_noise
         self.scale = scale
+        self.any_rank = any_rank
+        self.refusal: UserError | None = None  # this rank's failed per-step check, raised on every rank at the step
         self.summed: dict[nn.Parameter, Tensor] = {}
         self.param_names: dict[nn.Parameter, str] = {}  # for messages; the engine fills it
         self.examples_seen = 0  # realised examples in this logical batch: for logging only, never for scaling
@@ -119,7 +126,26 @@ class DPOptimizer:
     def param_groups(self):
         return self.optimizer.param_groups
 
+    def refuse(self, error: UserError) -> None:
+        """Several processes: this rank's per-step check failed. The logical batch is dropped, nothing joins it any
+        more, and ``collective_verdict`` raises ``error`` here and on every other rank at the step, where they all
+        meet; raising at once would leave the other ranks waiting in the step's collective for a rank that left."""
+        self.zero_grad()
+        self.refusal = error
+
+    def collective_verdict(self) -> None:
+        """At the step, before any update: every rank stops with nothing applied if any rank refused the batch."""
+        if self.any_rank is None:
+            return
+        device = self.params[0].device if self.params else torch.device("cpu")
+        if self.any_rank(self.refusal is not None, device):
+            refusal = self.refusal or UserError(OTHER_RANK_REFUSED)
+            self.zero_grad()
+            raise refusal
+
     def add_clipped_sums(self, sums: dict[nn.Parameter, Tensor], examples: int) -> None:
+        if self.refusal is not None:
+            return
         for param, total in sums.items():
             total = total.to(device=param.device, dtype=torch.float32)
             self.summed[param] = self.summed[param] + total if param in self.summed else total
@@ -129,6 +155,7 @@ class DPOptimizer:
         """(Σ_i ḡ_i + N(0, σ²C²)) / B for every parameter, in fp32; consumes the accumulated sums.
 
         Distributed: Σ_ranks (local clipped sum [+ the noise, on rank 0 only]) / B, the same on every rank."""
+        self.collective_verdict()
         self.noise.reseed_if_secure()
         std = self.noise_multiplier * self.max_grad_norm if self.adds_noise else 0.0
         noisy_sums = {}
@@ -179,6 +206,7 @@ class DPOptimizer:
     def zero_grad(self) -> None:
         self.summed = {}
         self.examples_seen = 0
+        self.refusal = None
 
     def release(self) -> None:
         """Undo what this optimizer changed outside itself (``engine.detach``); nothing here."""

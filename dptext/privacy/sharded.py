@@ -121,6 +121,8 @@ class ShardedDPOptimizer(DPOptimizer):
     def add_reduced(self, rows: dict[nn.Parameter, Tensor], units: int) -> None:
         """This rank's rows of Σ_ranks of one micro-batch's clipped sums (FSDP2's reduce-scatter in ghost clipping's
         second pass), and this rank's count of units in it."""
+        if self.refusal is not None:
+            return
         for param, local in rows.items():
             local = local.float()
             self.reduced[param] = self.reduced[param] + local if param in self.reduced else local
@@ -178,6 +180,7 @@ class ShardedDPOptimizer(DPOptimizer):
 
     def privatized_grads(self) -> dict[nn.Parameter, Tensor]:
         """(this rank's rows of Σ_ranks Σ_i ḡ_i + its own rows of N(0, σ²C²)) / B, as local fp32 tensors."""
+        self.collective_verdict()
         self.noise.reseed_if_secure()
         std = self.noise_multiplier * self.max_grad_norm
         grads = self._checked_reduced() if self.backward_reduces else self._reduce_scatter()
@@ -226,7 +229,8 @@ def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool
     ghost = engine.clipping_mode == "ghost"
     return ShardedDPOptimizer(optimizer, engine.params, engine.noise_multiplier, engine.max_grad_norm,
                               engine.expected_batch_size, noise, rank=context.rank, world_size=context.world_size,
-                              backward_reduces=ghost, restore=sum_in_backward(engine.model) if ghost else None)
+                              backward_reduces=ghost, restore=sum_in_backward(engine.model) if ghost else None,
+                              any_rank=context.any_rank)
 
 
 def noise_site(context) -> str:

@@ -43,13 +43,19 @@ def checked_uses(engine, per_example_loss: Tensor) -> list:
 
 
 def check_invariant(engine, sums, norms: Tensor, units: int) -> None:
-    """The per-step invariant (``clipping.check_clipped_sums``); a violation drops the logical batch."""
+    """The per-step invariant (``clipping.check_clipped_sums``); a violation drops the logical batch. With several
+    processes it is raised at the step, on every rank together (``DPOptimizer.refuse``): the data that broke it is
+    on one rank only, and the others would otherwise wait for that rank in the next collective."""
     problem = clipping.check_clipped_sums(sums, norms, units, engine.max_grad_norm, engine.clipping_layout,
                                           len(engine.params))
     if problem is not None:
-        engine.dp_optimizer.zero_grad()
         param, why = problem
-        raise invariant_failed(engine.param_names().get(param, "?") if param is not None else "(no parameter)", why)
+        error = invariant_failed(engine.param_names().get(param, "?") if param is not None else "(no parameter)", why)
+        if engine.dp_optimizer.any_rank is not None:
+            engine.dp_optimizer.refuse(error)
+            return
+        engine.dp_optimizer.zero_grad()
+        raise error
 
 
 def invariant_failed(name: str, why: str) -> UserError:
