@@ -129,6 +129,7 @@ def refused_on_one_rank(ctx, mode: str) -> dict:
     before = [p.detach().clone() for p in model.parameters()]
     with check_fails_on_rank_1(ctx.rank):
         engine.accumulate(losses(model, x[mine[:3]], y[mine[:3]]))  # rank 1 refuses: nothing raised yet
+    engine.zero_grad()  # a caller dropping the batch does not drop the refusal: it still surfaces at the step
     engine.accumulate(losses(model, x[mine[3:]], y[mine[3:]]))  # passes, but joins no refused batch
     try:
         engine.step()
@@ -136,9 +137,17 @@ def refused_on_one_rank(ctx, mode: str) -> dict:
     except UserError as error:
         refusal = str(error)
     unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    if ctx.rank == 0:  # mid-batch on rank 0 only: every rank refuses the re-plan together
+        engine.accumulate(losses(model, x[mine[:2]], y[mine[:2]]))
+    try:
+        engine.replan(verify=False)
+        replan = ""
+    except UserError as error:
+        replan = str(error)
+    engine.zero_grad()
     engine.step(losses(model, x[mine], y[mine]))
     moved = not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    return {"refusal": refusal, "unchanged": unchanged, "next_step_moved": moved}
+    return {"refusal": refusal, "unchanged": unchanged, "next_step_moved": moved, "replan": replan}
 
 
 def worker(out: Path) -> None:
@@ -249,6 +258,7 @@ def test_a_check_failed_on_one_rank_stops_every_rank_at_the_step_with_nothing_ap
     assert other["refusal"].startswith("Another process's per-step privacy check failed")
     for rank in (mine, other):
         assert rank["unchanged"] and rank["next_step_moved"]
+        assert "middle of a logical batch" in rank["replan"]
 
 
 def test_non_private_all_reduce_is_the_mean_gradient(two_ranks):

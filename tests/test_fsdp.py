@@ -145,6 +145,24 @@ def ghost_collectives(ctx) -> dict:
     return {"scatters": len(calls), "left": left, "refusal": refusal, "detached": detached}
 
 
+def sync_settings_kept(ctx) -> list:
+    """A caller's own FSDP2 sync setting (all-reduce off, as HSDP's gradient accumulation sets it) survives a ghost
+    micro-batch, whose norm pass turns gradient sync off and then back to what it was, not simply on."""
+    from dptext.privacy import PrivacyEngine
+    from dptext.privacy.fsdp_controls import fsdp_modules
+
+    model = shard(tiny_lm(), ctx)
+    for module in fsdp_modules(model):
+        module.set_requires_all_reduce(False, recurse=False)
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
+                           distributed=ctx)
+    engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
+    engine.zero_grad()
+    return [(group.reduce_grads, group.all_reduce_grads) for module in fsdp_modules(model)
+            for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
 def refused_on_one_rank(ctx, mode: str) -> dict:
     """Rank 1's per-step check fails (forced) on its micro-batch: both ranks refuse at the step, nothing applied."""
     from dptext.errors import UserError
@@ -204,6 +222,7 @@ def worker(out: Path) -> None:
         "ghost": ghost_collectives(ctx),
         "outside_read": outside_read_refusal(ctx),
         "refused": {mode: refused_on_one_rank(ctx, mode) for mode in ("bookkeeping", "ghost")},
+        "sync_kept": sync_settings_kept(ctx),
         "non_private": non_private_mean(ctx, mine),
         "uneven": {mode: uneven_update(ctx, mode) for mode in ("bookkeeping", "ghost")},
     }
@@ -308,6 +327,11 @@ def test_ghost_bound_is_checked_over_every_ranks_rows(two_ranks):
     for rank in two_ranks:  # every rank refuses the same step (a single one would leave the others waiting)
         assert "per-step privacy check failed" in rank["ghost"]["refusal"]
         assert "units × C" in rank["ghost"]["refusal"]
+
+
+def test_ghost_puts_a_callers_sync_settings_back_after_its_norm_pass(two_ranks):
+    for rank in two_ranks:
+        assert rank["sync_kept"] and all(setting == (True, False) for setting in rank["sync_kept"])
 
 
 @pytest.mark.parametrize("mode", ("bookkeeping", "ghost"))

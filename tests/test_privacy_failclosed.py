@@ -337,6 +337,25 @@ def test_the_per_step_invariant_stops_a_wrong_clipped_sum_and_writes_nothing(lay
     assert "tensor(" not in str(error.value)  # never values from the batch
 
 
+def test_the_probe_raises_a_broken_invariant_at_once_even_where_ranks_would_defer_it():
+    """With several processes a failed per-step check waits for the step (DPOptimizer.refuse); the probe's synthetic
+    batches are the same on every rank, so there it raises at once, naming the invariant, not a later symptom."""
+    model = Tiny()
+    engine, _ = make_engine(model, "bookkeeping")
+    engine.dp_optimizer.any_rank = lambda flag, device: flag  # as a multi-process engine has (one rank alone here)
+    rule, names = engine.tracked[model.fc]
+    engine.tracked[model.fc] = (ScaledLinearRule(rule), names)
+    engine.recorder.tracked = engine.tracked
+    with pytest.raises(UserError, match="per-step privacy check failed"):
+        engine.verify()
+    batch = synthetic_token_batch(model)(4, 5, torch.Generator().manual_seed(1))
+    engine.accumulate(output_functional_loss(model, batch))  # training: deferred to the step, dropped meanwhile
+    assert not engine.clipped_grads()
+    engine.zero_grad()
+    with pytest.raises(UserError, match="per-step privacy check failed"):
+        engine.step()
+
+
 def test_non_finite_per_example_norms_stop_the_step():
     model = Tiny()
     engine, _ = make_engine(model, "bookkeeping")

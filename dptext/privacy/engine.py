@@ -150,7 +150,10 @@ class PrivacyEngine:
 
         Call it between logical steps. With ``verify`` the synthetic probe re-verifies the new plan (with the
         arguments of the last ``verify()`` unless new ones are given); nothing is trusted from the old plan."""
-        if self.dp_optimizer.summed:
+        mid_batch = self.dp_optimizer.in_logical_batch()
+        if self.dp_optimizer.any_rank is not None:  # every rank decides alike: re-planning gathers sharded weights
+            mid_batch = self.dp_optimizer.any_rank(mid_batch, self.dp_optimizer.device())
+        if mid_batch:
             raise UserError("replan() was called in the middle of a logical batch; call it after step().")
         self.recorder.remove()
         self.outside_reads.remove()

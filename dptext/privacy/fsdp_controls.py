@@ -32,20 +32,14 @@ def check_ghost_supported() -> None:
 
 
 REDUCTION = ("gradient_divide_factor", "force_sum_reduction_for_comms", "reduce_scatter_unused_params")
+SYNC = ("reduce_grads", "all_reduce_grads")  # what set_requires_gradient_sync writes
 
 
-def sum_in_backward(model: nn.Module):
-    """FSDP2's reduce-scatter as ghost clipping's second pass needs it: a plain sum over the ranks (not the mean,
-    and SUM rather than a pre-multiplied sum, which gloo lacks), and every trainable parameter sent even when a
-    rank's pass gave it no gradient, so that all ranks reduce-scatter the same layout. Returns the function that
-    puts FSDP2's own settings back (``engine.detach``: training on without DP must average again)."""
-    check_ghost_supported()
+def kept_settings(model: nn.Module, names: tuple[str, ...]):
+    """The FSDP2 param groups' current values of ``names``; returns the function that puts them back. (torch's
+    setters write these attributes of every param group; saving them lets dptext undo exactly what it changed.)"""
     groups = [group for module in fsdp_modules(model) for group in module._get_fsdp_state()._fsdp_param_groups]
-    saved = [{name: getattr(group, name) for name in REDUCTION} for group in groups]
-    for module in fsdp_modules(model):
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)
-        module.set_reduce_scatter_unused_params(True, recurse=False)
+    saved = [{name: getattr(group, name) for name in names} for group in groups]
 
     def restore() -> None:
         for group, settings in zip(groups, saved):
@@ -54,17 +48,31 @@ def sum_in_backward(model: nn.Module):
     return restore
 
 
+def sum_in_backward(model: nn.Module):
+    """FSDP2's reduce-scatter as ghost clipping's second pass needs it: a plain sum over the ranks (not the mean,
+    and SUM rather than a pre-multiplied sum, which gloo lacks), and every trainable parameter sent even when a
+    rank's pass gave it no gradient, so that all ranks reduce-scatter the same layout. Returns the function that
+    puts FSDP2's own settings back (``engine.detach``: training on without DP must average again)."""
+    check_ghost_supported()
+    restore = kept_settings(model, REDUCTION)
+    for module in fsdp_modules(model):
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+    return restore
+
+
 @contextmanager
 def gradient_sync_off(model: nn.Module):
-    """Ghost clipping's first (norm-only) pass: FSDP2 reshards after it but must not reduce-scatter."""
-    modules = fsdp_modules(model)
-    for module in modules:
+    """Ghost clipping's first (norm-only) pass: FSDP2 reshards after it but must not reduce-scatter. Afterwards the
+    sync settings are what they were (a caller's own ``set_requires_all_reduce(False)`` included), not forced on."""
+    restore = kept_settings(model, SYNC)
+    for module in fsdp_modules(model):
         module.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
-        for module in modules:
-            module.set_requires_gradient_sync(True, recurse=False)
+        restore()
 
 
 def local_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, Tensor]:

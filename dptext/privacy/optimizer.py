@@ -134,14 +134,22 @@ class DPOptimizer:
         self.refusal = error
 
     def collective_verdict(self) -> None:
-        """At the step, before any update: every rank stops with nothing applied if any rank refused the batch."""
+        """At the step, before any update: every rank stops with nothing applied if any rank refused the batch. The
+        refusal outlives ``zero_grad`` (a caller dropping the batch in between), so it surfaces here as one process
+        would have raised it at once."""
         if self.any_rank is None:
             return
-        device = self.params[0].device if self.params else torch.device("cpu")
-        if self.any_rank(self.refusal is not None, device):
-            refusal = self.refusal or UserError(OTHER_RANK_REFUSED)
+        if self.any_rank(self.refusal is not None, self.device()):
+            refusal, self.refusal = self.refusal or UserError(OTHER_RANK_REFUSED), None
             self.zero_grad()
             raise refusal
+
+    def device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def in_logical_batch(self) -> bool:
+        """Whether anything was accumulated (or refused) since the last step."""
+        return bool(self.summed) or self.examples_seen > 0 or self.refusal is not None
 
     def add_clipped_sums(self, sums: dict[nn.Parameter, Tensor], examples: int) -> None:
         if self.refusal is not None:
@@ -206,7 +214,6 @@ class DPOptimizer:
     def zero_grad(self) -> None:
         self.summed = {}
         self.examples_seen = 0
-        self.refusal = None
 
     def release(self) -> None:
         """Undo what this optimizer changed outside itself (``engine.detach``); nothing here."""

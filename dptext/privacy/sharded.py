@@ -211,6 +211,9 @@ class ShardedDPOptimizer(DPOptimizer):
         super().zero_grad()
         self.reduced = {}
 
+    def in_logical_batch(self) -> bool:
+        return super().in_logical_batch() or bool(self.reduced)
+
     def release(self) -> None:
         if self.restore is not None:
             self.restore()

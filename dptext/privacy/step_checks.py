@@ -51,8 +51,8 @@ def check_invariant(engine, sums, norms: Tensor, units: int) -> None:
     if problem is not None:
         param, why = problem
         error = invariant_failed(engine.param_names().get(param, "?") if param is not None else "(no parameter)", why)
-        if engine.dp_optimizer.any_rank is not None:
-            engine.dp_optimizer.refuse(error)
+        if engine.dp_optimizer.any_rank is not None and not engine.recorder.probing:  # the probe's synthetic
+            engine.dp_optimizer.refuse(error)  # batches are the same on every rank: it raises at once, everywhere
             return
         engine.dp_optimizer.zero_grad()
         raise error
