@@ -99,7 +99,8 @@ def main() -> None:
     query_cli = ["--sigma", str(SIGMA), "-q", str(Q), "--steps", str(STEPS), "--delta", str(DELTA)]
     calibrate_cli = ["--eps", str(CAL_EPS), "-q", str(CAL_Q), "--steps", str(CAL_STEPS), "--delta", str(DELTA)]
     results["CLI `dptext account` 10,000-step query (fresh process)"] = {"min_s": cli_seconds(query_cli)}
-    results[f"CLI `dptext account` calibration, {len(METHODS)} methods (fresh process)"] = {"min_s": cli_seconds(calibrate_cli)}
+    results[f"CLI `dptext account` calibration, {len(METHODS)} methods (fresh process)"] = {
+        "min_s": cli_seconds(calibrate_cli)}
 
     machine = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                "load_average_1m": os.getloadavg()[0], "repeat": args.repeat}

@@ -202,8 +202,7 @@ def collect(runs: Path, results: Path = RESULTS) -> dict[str, dict]:
     committed value (a fresh machine has lost the run directories, not the results they produced)."""
     written = {}
     for name, (metric_names, entries) in FILES.items():
-        path = results / f"{name}.json"
-        committed = read_json(path) if path.is_file() else {}
+        committed = _committed(results, name)
         data = {}
         for key, candidates in entries.items():
             if isinstance(candidates, Tuned):
@@ -214,19 +213,20 @@ def collect(runs: Path, results: Path = RESULTS) -> dict[str, dict]:
                 found = committed.get(key)
             if found is not None:
                 data[key] = found
-        if data:
-            results.mkdir(parents=True, exist_ok=True)
-            (results / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
-            written[name] = data
+        written[name] = data
     from collect_distill import collect as collect_distill  # the sibling script (it imports this module)
 
-    path = results / "distill.json"
-    distill = {**(read_json(path) if path.is_file() else {}), **collect_distill(runs / DISTILL_CHAIN)}
-    if distill:
+    written["distill"] = {**_committed(results, "distill"), **collect_distill(runs / DISTILL_CHAIN)}
+    written = {name: data for name, data in written.items() if data}
+    for name, data in written.items():
         results.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(distill, indent=2) + "\n")
-        written["distill"] = distill
+        (results / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
     return written
+
+
+def _committed(results: Path, name: str) -> dict:
+    path = results / f"{name}.json"
+    return read_json(path) if path.is_file() else {}
 
 
 def load_results(results: Path = RESULTS) -> dict[str, dict]:

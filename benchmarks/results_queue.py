@@ -4,9 +4,10 @@
 
 A job file has one job a line, ``NAME [COMMAND] RECIPE [key=value ...] [env:VARIABLE=value ...]`` (``#`` starts a
 comment; COMMAND is ``finetune`` when left out, or ``distill`` (a distill recipe), or ``synth``, whose line is
-``NAME synth TEACHER_RUN [--option=value | --flag ...]``; ``{data}`` in a value is replaced by ``--data``, the shared data folder, and ``{runs}`` by ``--runs``, for
-data a benchmark script wrote there, such as the SST-2 tuning split; an ``env:`` word sets an environment variable
-of that job's process, fresh or resumed, e.g. ``env:DPTEXT_ALLOCATOR=default``). A search line
+``NAME synth TEACHER_RUN [--option=value | --flag ...]``; ``{data}`` in a value is replaced by ``--data``, the
+shared data folder, and ``{runs}`` by ``--runs``, for data a benchmark script wrote there, such as the SST-2
+tuning split; an ``env:`` word sets an environment variable of that job's process, fresh or resumed, e.g.
+``env:DPTEXT_ALLOCATOR=default``). A search line
 ``@search NAME RUN METRIC VALUE ...`` makes ``{NAME}`` in the lines below it stand for the VALUE whose
 run (RUN with ``{value}`` in place of that value) scored best on METRIC in its result.json (lowest for
 SER and perplexity, highest otherwise); until every one of those runs has finished, a job that uses

@@ -139,8 +139,8 @@ def distill(data: dict) -> list[str]:
                    "hours"], rows)
 
 
-TABLES = ("sst2", "atis", "snips", "quickstart", "e2e_cpu", "distill")  # the result files this block renders (others, such
-# as the bench grid's, have their own block)
+# the result files this block renders (others, such as the bench grid's, have their own block)
+TABLES = ("sst2", "atis", "snips", "quickstart", "e2e_cpu", "distill")
 
 
 def render(results: dict[str, dict]) -> str:

@@ -87,9 +87,7 @@ def local_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, Tensor]:
 def whole_weights(model: nn.Module):
     """Every FSDP2 module of ``model`` holding its gathered weights (all ranks enter it together): a rule that
     checks a layer numerically (RMSNorm's structural match) runs the layer, which a sharded weight cannot."""
-    from torch.distributed.fsdp import FSDPModule
-
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    sharded = fsdp_modules(model)
     for module in sharded:
         module.unshard()
     try:
