@@ -147,8 +147,10 @@ def wall_seconds(run: RunDir, records: list[dict], clock: dict) -> float | None:
 
 
 def machine_and_commit(provenance: dict) -> dict:
-    return {"machine": f"{provenance['platform']} ({provenance['machine']}), {_cpus(provenance)}",
-            "commit": provenance["git_revision"]}
+    machine = f"{provenance['platform']} ({provenance['machine']}), {_cpus(provenance)}"
+    if provenance.get("accelerator"):  # recorded since the first GPU runs; absent (CPU) in older provenance
+        machine += f", {provenance['accelerator']}"
+    return {"machine": machine, "commit": provenance["git_revision"]}
 
 
 def _recipe_value(resolved: str, key: str):
@@ -156,6 +158,8 @@ def _recipe_value(resolved: str, key: str):
 
 
 def _cpus(provenance: dict) -> str:
+    if provenance.get("cpu_count"):
+        return f"{provenance['cpu_count']} CPU cores"
     if provenance["platform"] != platform.platform():  # collected elsewhere: say only what the run recorded
         return "CPU count not recorded"
     return f"{os.cpu_count()} CPU cores"

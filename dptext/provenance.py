@@ -4,6 +4,7 @@ command line and the machine (``provenance.json`` of a run directory, ``software
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import subprocess
 import sys
@@ -43,6 +44,15 @@ def package_versions() -> dict[str, str]:
     return found
 
 
+def accelerator() -> str | None:
+    """The GPU a run computes on (name and CUDA version), None on a CPU-only machine: the same recipe's wall time
+    differs by orders of magnitude between the two, so a result must say which it came from."""
+    torch = sys.modules.get("torch")  # a run has loaded torch by now; a CLI listing never pays for it
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return f"{torch.cuda.get_device_name(torch.cuda.current_device())}, CUDA {torch.version.cuda}"
+
+
 def provenance() -> dict[str, Any]:
     return {
         "git_revision": git_revision(),
@@ -50,6 +60,8 @@ def provenance() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "accelerator": accelerator(),
         "command": sys.argv,
         "allocator": allocator_setting(),
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
