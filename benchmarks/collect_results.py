@@ -142,8 +142,12 @@ def wall_seconds(run: RunDir, records: list[dict], clock: dict) -> float | None:
     finished = run.finished_seconds()
     if finished is None or not clock:
         return finished
-    timed = [r["seconds"] for r in records if "seconds" in r and "split" not in r]
-    return clock["train_seconds"] - (timed[-1] if timed else 0.0) + finished
+    timed = [r for r in records if "seconds" in r and "split" not in r]
+    started = [r.get("start_step") for r in records if r.get("event") == "finished"]
+    if started and started[-1] is not None and not any(r["step"] > started[-1] for r in timed):
+        # the finishing invocation resumed at the last step and only evaluated: every logged segment is earlier
+        return clock["train_seconds"] + finished
+    return clock["train_seconds"] - (timed[-1]["seconds"] if timed else 0.0) + finished
 
 
 def machine_and_commit(provenance: dict) -> dict:

@@ -167,10 +167,17 @@ def next_job(job_files: list[Path], runs: Path, data: Path, failed: set[str]) ->
     return None
 
 
+def job_environment(outside: dict[str, str]) -> dict[str, str]:
+    """The jobs' environment: this checkout first on PYTHONPATH, so the code that runs is the recorded commit; a
+    PYTHONPATH set outside (packages installed with ``pip --target`` on a lent GPU machine) stays, behind it."""
+    path = os.pathsep.join(p for p in (str(CODE), outside.get("PYTHONPATH", "")) if p)
+    return {**outside, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
 def run_queue(job_files: list[Path], runs: Path, data: Path, python: str) -> int:
     """Run every unfinished job; returns how many failed."""
     failed: set[str] = set()
-    env = {**os.environ, "PYTHONPATH": str(CODE), "PYTHONUNBUFFERED": "1"}
+    env = job_environment(os.environ)
     while (job := next_job(job_files, runs, data, failed)) is not None:
         command = command_for(job, runs, python)
         settings = "".join(f"{name}={value} " for name, value in job.env)

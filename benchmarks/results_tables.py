@@ -7,6 +7,7 @@ file does not have yet is "running"; the published numbers beside ours are the p
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 BEGIN, END = "<!-- results:begin (benchmarks/collect_results.py) -->", "<!-- results:end -->"
@@ -41,7 +42,12 @@ def _privacy(entry: dict) -> list[str]:
 
 
 def _hours(entry: dict) -> str:
-    return "—" if entry["wall_seconds"] is None else number(entry["wall_seconds"] / 3600, 1)
+    """Wall hours; a run on a GPU says so beside its time (minutes there are hours on the 2-core CPU)."""
+    if entry["wall_seconds"] is None:
+        return "—"
+    gpu = re.search(r"NVIDIA (\S+)", entry.get("machine", ""))
+    hours = entry["wall_seconds"] / 3600
+    return f"{hours:.2f} on {gpu.group(1)}" if gpu else number(hours, 1)
 
 
 def _learning_rate(entry: dict) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -179,3 +180,11 @@ def test_queue_runs_resumes_and_skips(shared_data, tmp_path):
     queue.main(argv)
     log = (runs / "queue.log").read_text()
     assert "start first" not in log and "start broken" in log
+
+
+def test_jobs_see_the_checkout_first_and_keep_a_pythonpath_set_outside():
+    """On the lent GPU machine the missing packages sit in a pip --target folder on PYTHONPATH; replacing it with
+    the checkout made every DP job fail at its first accounting step (No module named 'prv_accountant')."""
+    env = queue.job_environment({"PYTHONPATH": "/tmp/site", "HOME": "/root"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(queue.CODE), "/tmp/site"] and env["HOME"] == "/root"
+    assert queue.job_environment({})["PYTHONPATH"] == str(queue.CODE)

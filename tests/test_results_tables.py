@@ -107,6 +107,24 @@ def test_the_wall_time_comes_from_the_diagnostics_finished_record_not_result_jso
     assert row["train_seconds"] == 30.0 + 25.0 and row["wall_seconds"] == 30.0 + 40.0
 
 
+def test_an_invocation_that_only_evaluated_adds_to_the_earlier_training_time(tmp_path):
+    """A run stopped during its final evaluation and resumed at its last step logs no step in the last invocation:
+    the wall time is all the logged training time plus that invocation's whole time (it once reported only the
+    evaluation's 131 s for E2E's non-private run)."""
+    folder = tmp_path / "run"
+    _fake_run(folder, ser=5.0, validation=6.0, lr=1e-3)
+    (folder / "metrics.jsonl").write_text('{"step": 20, "split": "test", "ser": 5.0}\n')
+    (folder / "diagnostics_not_private.jsonl").write_text(
+        '{"step": 10, "loss": 1.0, "seconds": 30.0}\n{"step": 20, "loss": 0.9, "seconds": 55.0}\n'
+        '{"event": "finished", "step": 20, "start_step": 20, "total_seconds": 40.0}\n')
+    row = collect.entry(folder, {"ser": "ser"})
+    assert row["wall_seconds"] == 55.0 + 40.0
+    (folder / "diagnostics_not_private.jsonl").write_text(  # resumed at 10, trained to 20 in the last invocation
+        '{"step": 10, "loss": 1.0, "seconds": 30.0}\n{"step": 20, "loss": 0.9, "seconds": 25.0}\n'
+        '{"event": "finished", "step": 20, "start_step": 10, "total_seconds": 40.0}\n')
+    assert collect.entry(folder, {"ser": "ser"})["wall_seconds"] == 30.0 + 40.0
+
+
 def test_search_waits_for_every_candidate_then_picks_on_validation_not_test(tmp_path, monkeypatch):
     runs, out = tmp_path / "runs", tmp_path / "results"
     first, *others = collect.FILES["atis"][1]["dp_sgd_eps8"]

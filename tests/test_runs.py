@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -23,6 +24,17 @@ def test_create_writes_resolved_recipe_and_provenance(tmp_path):
     assert run.recipe() == config.load_recipe(None, ["name=demo"])
     prov = json.loads((run.path / runs.PROVENANCE).read_text())
     assert prov["git_revision"] and "torch" in prov["packages"] and "dptext" in prov["packages"]
+    # the machine a result came from: CPU count and GPU (None without one), since the first GPU runs
+    assert prov["cpu_count"] == os.cpu_count() and prov["accelerator"] is None
+
+
+def test_provenance_names_the_gpu_a_run_computes_on(monkeypatch):
+    from dptext import provenance
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert provenance.accelerator() == "NVIDIA H100 80GB HBM3, CUDA 13.0"
 
 
 def test_two_runs_in_the_same_second_get_distinct_directories(tmp_path):

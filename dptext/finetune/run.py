@@ -168,7 +168,9 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     seconds = time.monotonic() - started
     # The run's wall time is an un-noised function of the realised Poisson batch sizes and of the sampled records'
     # lengths, like the per-step clock, so it goes to the not-covered diagnostics, not into the covered result.json.
-    run.log_diagnostics({"event": "finished", "step": steps_run, "total_seconds": seconds})
+    # start_step: where this invocation began, so a collector can tell an invocation that only evaluated (resumed
+    # at the last step) from one that trained, and add the earlier invocations' time to the wall time
+    run.log_diagnostics({"event": "finished", "step": steps_run, "start_step": start_step, "total_seconds": seconds})
     run.save_result(result, release_flags(training))
     release()
     return {**result, "seconds": seconds}
