@@ -86,6 +86,9 @@ RUN_ENTRIES = (
           "was sampled"),
     Entry("result.json", COVERED, "final evaluation, privacy summary, settings", "as metrics.jsonl",
           dp_result=True),
+    Entry("final_evaluation.jsonl", COVERED, "the final evaluation's finished batches (generated completions, "
+          "perplexity sums), kept so an interrupted evaluation resumes",
+          "post-processing of the DP model on the evaluation split, as metrics.jsonl", dp_result=True),
     Entry("model/intent_slot_labels.json", PUBLIC, "the declared intents and BIO slot tags (task.intents, "
           "task.slot_types)"),
     Entry("model/clc_vocabulary.json", PUBLIC, "the clc encoder's fixed character set (no words of the data)"),

@@ -45,6 +45,7 @@ METRICS = "metrics.jsonl"
 DIAGNOSTICS = "diagnostics_not_private.jsonl"
 LEDGER = "ledger.json"
 RESULT = "result.json"
+FINAL_EVALUATION = "final_evaluation.jsonl"  # the final evaluation's finished batches (dptext.tasks.eval_journal)
 MODEL_DIR = "model"  # the trained model (or LoRA adapters) a finished run exports
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"

@@ -2,7 +2,8 @@
 
 What the CLI calls and tests call. A run writes resolved.yaml and provenance.json first, then
 metrics.jsonl (ε spent) and diagnostics_not_private.jsonl (exact losses, realised batch sizes) as it
-trains, checkpoints and ledger.json, the trained model in ``model/``, finally result.json and release.json
+trains, checkpoints and ledger.json, the final evaluation's finished batches (final_evaluation.jsonl, so
+an evaluation cut off resumes too), the trained model in ``model/``, finally result.json and release.json
 (the release status of every file, ``dptext.release``). ``resume=RUN_DIR`` reopens such a directory and continues from its newest
 complete checkpoint with the same recipe, the same samples, the same noise and the same privacy
 account.
@@ -13,6 +14,7 @@ directory, evaluates and returns the result, the others return ``{"follower": Tr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -30,19 +32,32 @@ from dptext.finetune.user_level import check_single_process, unit_summary, user_
 from dptext.finetune.validate import validate_run
 from dptext.output import Output
 from dptext.release import inherited_flags, recipe_flags
-from dptext.runs import MODEL_DIR, RunDir, atomic_directory
+from dptext.runs import FINAL_EVALUATION, MODEL_DIR, RunDir, atomic_directory
+from dptext.tasks.eval_journal import EvaluationJournal, records_digest, weights_digest
 
 
 def _evaluator(training: Any, output: Any):
-    def evaluate(records: list) -> dict[str, float]:
+    def evaluate(records: list, journal: EvaluationJournal | None = None) -> dict[str, float]:
         if not records or (training.dist is not None and not training.dist.is_writer  # rank 0 evaluates (all
                            and not training.dist.sharded):  # ranks when sharded: each forward gathers weights)
             return {}
         task = training.task
         with output.progress(task.evaluation_size(records), "evaluating") as progress:
             return task.evaluate(training.model, records, batch_size=training.recipe.eval.batch_size,
-                                 on_progress=progress.advance)
+                                 on_progress=progress.advance, journal=journal)
     return evaluate
+
+
+def final_journal(training: Any, run: RunDir, step: int) -> EvaluationJournal | None:
+    """The final evaluation's journal (``dptext.tasks.eval_journal``): a run cut off while it evaluates resumes
+    with the batches already done. One process only: sharded ranks evaluate together and write nothing."""
+    if (not training.final_records or not training.task.journals_evaluation
+            or (training.dist is not None and training.dist.active)):
+        return None
+    recipe = training.recipe
+    identity = {"step": step, "split": recipe.eval.split, "weights": weights_digest(training.model),
+                "records": records_digest(training.final_records), "eval": dataclasses.asdict(recipe.eval)}
+    return EvaluationJournal(run.path / FINAL_EVALUATION, identity)
 
 
 def save_model(training: Any, run: RunDir, full_state: dict | None = None) -> Path:
@@ -150,7 +165,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     last, steps_run = run_loop(training, run, output, start_step, evaluate)
     if training.selection is not None and recipe.train.keep_best:
         model_selection.restore_best(run, training.model, training.selection)
-    final = evaluate(training.final_records)
+    final = evaluate(training.final_records, final_journal(training, run, steps_run))
     run.log_metrics({"step": steps_run, "split": recipe.eval.split, **final})
     full_state = sharding.full_state_dict(training)  # FSDP2: every rank sends its shards to rank 0
     if not dist.is_writer:

@@ -21,6 +21,9 @@ class Task(ABC):
     head = "causal_lm"  # the model head dptext.models.load_model must build
     primary_metric = "perplexity"
     higher_is_better = False
+    # evaluate() keeps its finished batches in a journal (dptext.tasks.eval_journal) when the run passes one: worth
+    # it where evaluation is long (generation, perplexity over many references), not for a classifier's pass
+    journals_evaluation = False
 
     def __init__(self, recipe: Any, tokenizer: Any):
         self.recipe = recipe
@@ -61,8 +64,9 @@ class Task(ABC):
 
     @abstractmethod
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
-                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
-        """The task's metrics on ``records`` (a held-out split)."""
+                 on_progress: Callable[[int], None] | None = None, journal: Any = None) -> dict[str, float]:
+        """The task's metrics on ``records`` (a held-out split). ``journal`` (``dptext.tasks.eval_journal``): where
+        a long evaluation keeps its finished batches so an interrupted one resumes; a short one may ignore it."""
 
     def evaluation_size(self, records: Sequence[dict[str, Any]]) -> int:
         """Units of work ``evaluate`` reports through ``on_progress`` (for a progress bar)."""

@@ -101,7 +101,7 @@ class ClassificationTask(Task):
         return per_example_loss(self.logits(model, batch), batch["labels"])
 
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
-                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
+                 on_progress: Callable[[int], None] | None = None, journal: Any = None) -> dict[str, float]:
         device = next(model.parameters()).device
         predictions, labels = [], []
         was_training = model.training

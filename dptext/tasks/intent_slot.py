@@ -235,7 +235,7 @@ class IntentSlotTask(Task):
         return intents, [[self.tags[t] for t in path] for path in tag_paths]
 
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
-                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
+                 on_progress: Callable[[int], None] | None = None, journal: Any = None) -> dict[str, float]:
         device = next(model.parameters()).device
         intents, tags = [], []
         was_training = model.training

@@ -18,6 +18,7 @@ from dptext.privacy.losses import per_example_loss
 from dptext.tasks import text_format
 from dptext.tasks.base import Task, batches
 from dptext.tasks.encoding import Example, encode_prompt_completion
+from dptext.tasks.eval_journal import EvaluationJournal, journaled_batches
 from dptext.tasks.generation import generate_completions
 from dptext.tasks.probe_batches import language_model_batch, vocab_size
 
@@ -28,6 +29,7 @@ class LanguageModelingTask(Task):
     head = "causal_lm"
     primary_metric = "perplexity"
     higher_is_better = False
+    journals_evaluation = True
 
     def prompt_and_completion(self, record: dict[str, Any]) -> tuple[str, str]:
         fields = self.recipe.task.control_codes
@@ -51,33 +53,43 @@ class LanguageModelingTask(Task):
         return vocab_size(model)
 
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
-                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
-        return {"perplexity": self.perplexity(model, records, batch_size, on_progress)}
+                 on_progress: Callable[[int], None] | None = None,
+                 journal: EvaluationJournal | None = None) -> dict[str, float]:
+        return {"perplexity": self.perplexity(model, records, batch_size, on_progress, journal)}
 
     def generate(self, model: Any, prompts: list[str], batch_size: int,
-                 on_progress: Callable[[int], None] | None = None) -> list[str]:
+                 on_progress: Callable[[int], None] | None = None,
+                 journal: EvaluationJournal | None = None) -> list[str]:
         """Completions by beam search with the recipe's eval settings (evaluation, not DP decoding)."""
         return generate_completions(model, self.tokenizer, prompts, beam_size=self.recipe.eval.beam_size,
                                     max_new_tokens=self.recipe.eval.max_new_tokens, batch_size=batch_size,
-                                    on_batch=on_progress)
+                                    on_batch=on_progress, journal=journal)
 
     def perplexity(self, model: Any, records: Sequence[dict[str, Any]], batch_size: int,
-                   on_progress: Callable[[int], None] | None = None) -> float:
+                   on_progress: Callable[[int], None] | None = None,
+                   journal: EvaluationJournal | None = None) -> float:
         """exp(total completion-token NLL / completion tokens) over ``records``."""
         device = next(model.parameters()).device
+
+        def nll_and_tokens(chunk: list[Example]) -> list[float]:
+            batch = {k: v.to(device) for k, v in self.collate(chunk).items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            nll = per_example_loss(logits, batch["labels"], batch["attention_mask"], shift=True, reduction="sum")
+            return [nll.sum().item(), int((batch["labels"][:, 1:] != -100).sum())]
+
         total_nll, total_tokens = 0.0, 0
         was_training = model.training
         model.eval()
-        with torch.no_grad():
-            for chunk in batches(self.encode(records), batch_size):
-                batch = {k: v.to(device) for k, v in self.collate(chunk).items()}
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                nll = per_example_loss(logits, batch["labels"], batch["attention_mask"], shift=True, reduction="sum")
-                total_nll += nll.sum().item()
-                total_tokens += int((batch["labels"][:, 1:] != -100).sum())
-                if on_progress:
-                    on_progress(len(chunk))
-        model.train(was_training)
+        try:
+            with torch.no_grad():
+                for chunk, (nll, tokens) in journaled_batches(self.encode(records), batch_size, nll_and_tokens,
+                                                              journal, "perplexity"):
+                    total_nll += nll
+                    total_tokens += int(tokens)
+                    if on_progress:
+                        on_progress(len(chunk))
+        finally:
+            model.train(was_training)
         return metrics.perplexity(total_nll, total_tokens)
 
 
@@ -94,13 +106,15 @@ class TableToTextTask(LanguageModelingTask):
         return len(records) + len(group_references(records))
 
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
-                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
+                 on_progress: Callable[[int], None] | None = None,
+                 journal: EvaluationJournal | None = None) -> dict[str, float]:
         groups = group_references(records)
-        hypotheses = self.generate(model, [text_format.table_prompt(g) for g in groups], batch_size, on_progress)
+        hypotheses = self.generate(model, [text_format.table_prompt(g) for g in groups], batch_size, on_progress,
+                                   journal)
         references = [g["refs"] for g in groups]
         return {"bleu": metrics.corpus_bleu(hypotheses, references),
                 "rouge_l": metrics.rouge_l(hypotheses, references),
-                "perplexity": self.perplexity(model, records, batch_size, on_progress)}
+                "perplexity": self.perplexity(model, records, batch_size, on_progress, journal)}
 
 
 class DialogTask(LanguageModelingTask):
@@ -116,9 +130,11 @@ class DialogTask(LanguageModelingTask):
         return 2 * len(records)
 
     def evaluate(self, model: Any, records: Sequence[dict[str, Any]], *, batch_size: int,
-                 on_progress: Callable[[int], None] | None = None) -> dict[str, float]:
-        hypotheses = self.generate(model, [text_format.dialog_prompt(r) for r in records], batch_size, on_progress)
+                 on_progress: Callable[[int], None] | None = None,
+                 journal: EvaluationJournal | None = None) -> dict[str, float]:
+        hypotheses = self.generate(model, [text_format.dialog_prompt(r) for r in records], batch_size, on_progress,
+                                   journal)
         # A reply ends at its first line break: the next line would be the other speaker.
         hypotheses = [h.split("\n", 1)[0] for h in hypotheses]
         return {"f1": metrics.mean_token_f1(hypotheses, [r["response"] for r in records]),
-                "perplexity": self.perplexity(model, records, batch_size, on_progress)}
+                "perplexity": self.perplexity(model, records, batch_size, on_progress, journal)}
