@@ -187,11 +187,12 @@ def pick(candidates: list[Path], metric_names: dict) -> dict | None:
     return best
 
 
-def pick_tuned(runs: Path, tuned: Tuned, metric_names: dict) -> dict | None:
-    """The final run at the learning rate its tuning runs chose; None until they and that run have finished."""
+def pick_tuned(runs: Path, tuned: Tuned, metric_names: dict, committed: dict | None = None) -> dict | None:
+    """The final run at the learning rate its tuning runs chose; None until they and that run have finished.
+    Tuning runs a fresh machine has lost are read from a committed entry's search over the same runs."""
     tuning = [tuned.tuning.format(lr=lr) for lr in tuned.learning_rates]
     metric = next(iter(metric_names.values()))
-    scores = finished_scores(runs, tuning, metric)
+    scores = finished_scores(runs, tuning, metric) or committed_scores(committed or {}, tuning, metric)
     if scores is None:
         return None
     final = runs / tuned.final.format(lr=best_of(tuned.learning_rates, scores, metric))
@@ -205,6 +206,15 @@ def pick_tuned(runs: Path, tuned: Tuned, metric_names: dict) -> dict | None:
     return out
 
 
+def committed_scores(committed: dict, tuning: list[str], metric: str) -> list[float] | None:
+    """The tuning scores a committed entry recorded for exactly these tuning runs, else None."""
+    for entry in committed.values():
+        candidates = entry.get("search", {}).get("candidates") or []
+        if [c["run"] for c in candidates] == tuning:
+            return [c[f"tuning_{metric}"] for c in candidates]
+    return None
+
+
 def collect(runs: Path, results: Path = RESULTS) -> dict[str, dict]:
     """Rewrite each file from the finished runs in `runs`; an entry none of whose runs finished there keeps its
     committed value (a fresh machine has lost the run directories, not the results they produced)."""
@@ -214,7 +224,7 @@ def collect(runs: Path, results: Path = RESULTS) -> dict[str, dict]:
         data = {}
         for key, candidates in entries.items():
             if isinstance(candidates, Tuned):
-                found = pick_tuned(runs, candidates, metric_names)
+                found = pick_tuned(runs, candidates, metric_names, committed)
             else:
                 found = pick([runs / c for c in candidates], metric_names)
             if found is None:

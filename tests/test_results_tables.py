@@ -170,6 +170,25 @@ def test_sst2_reports_the_final_run_at_the_rate_its_tuning_runs_chose(tmp_path):
     assert [c["tuning_accuracy"] for c in chosen["search"]["candidates"]] == [80.0, 84.0, 82.0]
 
 
+def test_a_final_run_whose_tuning_runs_were_lost_is_chosen_by_the_committed_search(tmp_path):
+    """The machine lost SST-2's tuning runs after the ε = 8 row was committed; the ε = 3 run at the rate they chose
+    finished later and must be collected by the scores the committed search recorded, never by its own accuracy."""
+    runs, out = tmp_path / "runs", tmp_path / "results"
+    tuned = collect.FILES["sst2"][1]["eps8"]
+    for lr, tuning_accuracy in zip(tuned.learning_rates, (80.0, 84.0, 82.0)):
+        _fake_accuracy_run(runs / tuned.tuning.format(lr=lr), tuning_accuracy, lr)
+    _fake_accuracy_run(runs / tuned.final.format(lr="1e-3"), 85.0, "1e-3")
+    collect.collect(runs, out)
+    fresh = tmp_path / "fresh"  # no tuning runs; ε = 3 at the chosen rate and, better but not chosen, at 2e-3
+    eps3 = collect.FILES["sst2"][1]["eps3"]
+    _fake_accuracy_run(fresh / eps3.final.format(lr="1e-3"), 83.0, "1e-3")
+    _fake_accuracy_run(fresh / eps3.final.format(lr="2e-3"), 99.0, "2e-3")
+    sst2 = collect.collect(fresh, out)["sst2"]
+    assert sst2["eps3"]["run"] == "sst2-eps3-lr1e-3" and sst2["eps3"]["accuracy"] == 83.0
+    assert [c["tuning_accuracy"] for c in sst2["eps3"]["search"]["candidates"]] == [80.0, 84.0, 82.0]
+    assert sst2["eps8"]["accuracy"] == 85.0  # kept from the committed file
+
+
 def test_an_entry_whose_runs_are_absent_keeps_its_committed_value(tmp_path):
     """A fresh machine has no run directories: collecting there must not erase results that were committed."""
     runs, out = tmp_path / "runs", tmp_path / "results"
