@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dptext import config
+from dptext.errors import UserError
 from dptext.privacy import PrivacyEngine
 from dptext.tasks import build_task
 from dptext.tasks.clc import BiLSTM, WordTokenizer
@@ -36,8 +37,11 @@ def test_bilstm_equals_torch_lstm_on_each_example_alone():
         assert out[row, length:].abs().sum() == 0  # padding positions are zero
 
 
+# Six records: the batch (6) equals no other dimension (5 words, 8 characters), so the shapes prove which BiLSTM
+# inputs carry the batch and the engine needs no probe; at B = T it refuses instead (test below).
 RECORDS = [
     {"tokens": ["fly", "to", "boston"], "tags": ["O", "O", "B-toloc"], "intent": "flight"},
+    {"tokens": ["fly", "from", "denver"], "tags": ["O", "O", "B-from"], "intent": "flight"},
     {"tokens": ["cheapest", "fare", "from", "new", "york"], "tags": ["B-cost", "O", "O", "B-from", "I-from"],
      "intent": "airfare"},
     {"tokens": ["list", "airlines"], "tags": ["O", "O"], "intent": "airline"},
@@ -52,7 +56,7 @@ def test_clc_joint_model_clips_like_per_example_autograd(mode):
                                        "task.crf=true", "task.pooling=mean", "task.intents=[flight, airfare, airline]",
                                        "task.slot_types=[toloc, cost, from, date]"])
     words = ["fly", "to", "boston", "cheapest", "fare", "from", "new", "york", "list", "airlines", "denver"]
-    task = build_task(recipe, WordTokenizer(words, "abcdefghijklmnopqrstuvwxyz"), RECORDS[:4])  # "xyzzy": <unk>
+    task = build_task(recipe, WordTokenizer(words, "abcdefghijklmnopqrstuvwxyz"), RECORDS[:5])  # "xyzzy": <unk>
     model = task.load_model().eval()  # no dropout: the engine's forward and the brute force must agree
     batch = task.collate(task.encode(RECORDS))
     assert batch["char_ids"].shape[:2] == batch["input_ids"].shape
@@ -70,12 +74,35 @@ def test_clc_joint_model_clips_like_per_example_autograd(mode):
     expected = {n: sum(c * row[k] for c, row in zip(coef, rows)) for k, n in enumerate(names)}
 
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
-                           max_grad_norm=clip, expected_batch_size=5, dataset_size=50, clipping_mode=mode)
+                           max_grad_norm=clip, expected_batch_size=6, dataset_size=50, clipping_mode=mode)
     torch.testing.assert_close(engine.accumulate(task.per_example_loss(model, batch)), norms, rtol=1e-4, atol=1e-5)
     got = engine.clipped_grads()
     errors = {n: float((got[p] - expected[n]).abs().max()) for n, p in model.named_parameters() if n in expected}
     assert len(errors) == len(expected) and all(e < 1e-4 for e in errors.values()), errors
     assert any(n.startswith("encoder.lstm.") for n in errors) and "classifier.crf.transitions" in errors
+
+
+def test_what_one_engine_learned_about_a_layer_never_decides_for_another_engine():
+    """The rule registry holds one FunctionalRule per layer class; its learned input layout was process-wide, so
+    after any engine had seen a BiLSTM at B != T, a fresh engine on another model accepted B = T unproven (and this
+    file's own test passed or failed by test order). Each engine now learns for its own layers."""
+    recipe = config.load_recipe(None, ["task.type=intent_slot", "data.dataset=atis", "model.name=tiny-clc",
+                                       "task.intents=[flight, airfare, airline]",
+                                       "task.slot_types=[toloc, cost, from, date]"])
+    words = ["fly", "to", "boston", "cheapest", "fare", "from", "new", "york", "list", "airlines", "denver"]
+    task = build_task(recipe, WordTokenizer(words, "abcdefghijklmnopqrstuvwxyz"), RECORDS[:5])
+
+    def engine_for(model):
+        return PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+                             max_grad_norm=1.0, expected_batch_size=5, dataset_size=50, clipping_mode="ghost")
+    proving = task.collate(task.encode(RECORDS))  # B = 6: the layout is provable
+    model = task.load_model().eval()
+    engine_for(model).accumulate(task.per_example_loss(model, proving))
+    ambiguous = task.collate(task.encode(RECORDS[1:]))  # B = 5 = T
+    assert ambiguous["input_ids"].shape == (5, 5)
+    other = task.load_model().eval()
+    with pytest.raises(UserError, match="cannot be proven from their shapes"):
+        engine_for(other).accumulate(task.per_example_loss(other, ambiguous))
 
 
 def test_clc_vocabulary_is_public_and_fixed_not_built_from_the_records():

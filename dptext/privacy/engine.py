@@ -110,6 +110,7 @@ class PrivacyEngine:
         self.optimizer = optimizer
         self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
         self._probe_args: tuple = ()
+        self._learned_layouts: dict = {}  # FunctionalRule per layer: what the probe learned survives replan()
         self._plan()
         if self.distributed is not None and self.distributed.sharded:  # FSDP2: each rank noises its own rows
             self.dp_optimizer = sharded_optimizer(self, optimizer, secure_rng)
@@ -125,7 +126,7 @@ class PrivacyEngine:
         """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
         self.names = _module_names(self.model)
         with whole_weights(self.model):  # FSDP2: layers are matched to their rules on the gathered weights
-            self.tracked = find_tracked_modules(self.model, self.clipping_mode)
+            self.tracked = find_tracked_modules(self.model, self.clipping_mode, self._learned_layouts)
         self.params = list(dict.fromkeys(module.get_parameter(name) for module, (_, names) in self.tracked.items()
                                          for name in names))
         if not self.params:

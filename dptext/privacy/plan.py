@@ -22,8 +22,14 @@ def _module_names(model: nn.Module) -> dict[nn.Module, str]:
     return {module: name or type(model).__name__ for name, module in model.named_modules()}
 
 
-def find_tracked_modules(model: nn.Module, clipping_mode: str) -> dict[nn.Module, tuple[Any, tuple[str, ...]]]:
-    """Every module owning trainable parameters, with its rule; refuses the model before step 0 otherwise."""
+def find_tracked_modules(model: nn.Module, clipping_mode: str, learned: dict[nn.Module, FunctionalRule] | None = None
+                         ) -> dict[nn.Module, tuple[Any, tuple[str, ...]]]:
+    """Every module owning trainable parameters, with its rule; refuses the model before step 0 otherwise.
+
+    A ``FunctionalRule`` learns which inputs carry the batch, so it must not be shared: the registry holds one
+    instance per layer class, and what one engine's probe learned would decide another model's calls. Each layer
+    gets its own instance from ``learned`` (the engine's, kept across re-plans so the probe's lessons stay)."""
+    learned = {} if learned is None else learned
     names = _module_names(model)
     owners: dict[nn.Parameter, list[nn.Module]] = {}
     tracked, ruleless = {}, []
@@ -35,6 +41,8 @@ def find_tracked_modules(model: nn.Module, clipping_mode: str) -> dict[nn.Module
         for name in own:
             owners.setdefault(getattr(module, name), []).append(module)
         rule = child_rules.get(module) or find_rule(module)
+        if isinstance(rule, FunctionalRule):
+            rule = learned.setdefault(module, FunctionalRule())
         reason = getattr(rule, "unsupported", lambda m: None)(module) if rule else None
         if reason:
             raise UserError(f"Layer '{names[module]}' ({type(module).__name__}) cannot be trained privately: "
@@ -50,7 +58,7 @@ def find_tracked_modules(model: nn.Module, clipping_mode: str) -> dict[nn.Module
             continue
         if clipping_mode == "per_sample":
             caller, prefix = _calling_module(model, names, module)
-            rule, known = tracked.get(caller, (FunctionalRule(), ()))
+            rule, known = tracked.get(caller) or (learned.setdefault(caller, FunctionalRule()), ())
             if isinstance(rule, FunctionalRule):
                 tracked[caller] = (rule, known + tuple(prefix + name for name in own))
                 continue
