@@ -56,6 +56,15 @@ def _umask() -> int:
     return current
 
 
+def append_json_line(path: str | Path, record: Any) -> None:
+    """Append ``record`` as one JSON line (a registered file); flushed and fsynced so a crash loses at most it."""
+    release.check_registered(Path(path))
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(_jsonable(record)) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = False) -> None:
     """Write ``path`` via ``write(fileobj)`` on a temp file, then rename it into place."""
     path = Path(path)
@@ -204,11 +213,7 @@ class RunDir:
     # ------------------------------------------------------------------ metrics
     def log_metrics(self, record: dict[str, Any], name: str = METRICS) -> None:
         """Append one JSON line to ``name``; flushed and fsynced so a crash loses at most this line."""
-        release.check_registered(self.path / name)
-        with open(self.path / name, "a") as handle:
-            handle.write(json.dumps(_jsonable(record)) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        append_json_line(self.path / name, record)
 
     def log_diagnostics(self, record: dict[str, Any]) -> None:
         """Un-noised statistics of private batches (exact loss, realised batch size): not covered by ε."""

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from dptext import release
-from dptext.runs import atomic_write_text, read_lines
+from dptext.runs import append_json_line, atomic_write_text, read_lines
 
 
 def weights_digest(model: Any) -> str:
@@ -53,11 +51,7 @@ class EvaluationJournal:
             atomic_write_text(self.path, json.dumps({"identity": identity}) + "\n")
 
     def record(self, part: str, start: int, value: Any) -> None:
-        release.check_registered(self.path)
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"part": part, "start": start, "value": value}) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        append_json_line(self.path, {"part": part, "start": start, "value": value})
         self.done[(part, start)] = value
 
 
