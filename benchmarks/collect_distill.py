@@ -18,7 +18,7 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 
-from collect_results import epsilon_pld, machine_and_commit, read_json, timing, wall_seconds  # noqa: E402
+from collect_results import arithmetic, epsilon_pld, machine_and_commit, read_json, timing, wall_seconds  # noqa: E402
 from dptext.runs import DIAGNOSTICS, RunDir  # noqa: E402  (collect_results put the checkout on the path)
 from results_tables import DISTILL_ROWS  # noqa: E402
 
@@ -54,7 +54,10 @@ def entry(run: Path, label: str) -> dict | None:
            "expected_batch_size": privacy.get("expected_batch_size"), "dataset_size": privacy.get("dataset_size"),
            "train_seconds": clock.get("train_seconds"), "wall_seconds": wall_seconds(directory, records, clock)}
     if (run / "provenance.json").is_file():
-        out.update(machine_and_commit(read_json(run / "provenance.json")))
+        provenance = read_json(run / "provenance.json")
+        out.update(machine_and_commit(provenance))
+        if (run / "resolved.yaml").is_file():
+            out["precision"] = arithmetic((run / "resolved.yaml").read_text(), provenance)
     return out
 
 

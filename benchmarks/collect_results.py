@@ -12,7 +12,8 @@ shows as "running" in the README, never as a number.
 Each entry holds the schema's metrics (percent) plus: ε by each accountant the run reported (RDP, PRV
 with its bounds, GDP) and by the PLD accountant of dp-accounting (computed here from the run's ledger:
 tight at any σ, where PRV refuses σ < 0.75), δ, σ, C, q, steps taken and planned, training seconds,
-seconds per epoch, wall seconds, the machine and the git commit of the code that ran.
+seconds per epoch, wall seconds, the machine, the arithmetic (fp32, or a GPU's bf16/fp16) and the git commit of
+the code that ran.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def entry(run_dir: Path, metric_names: dict) -> dict:
         expected_batch_size=privacy["expected_batch_size"], dataset_size=privacy["dataset_size"],
         steps=result.get("steps_run", privacy["steps"]), planned_steps=privacy["steps"],
         selection=result.get("selection"), **clock, wall_seconds=wall_seconds(run, records, clock),
-        **machine_and_commit(provenance))
+        **machine_and_commit(provenance), precision=arithmetic(recipe, provenance))
     return out
 
 
@@ -155,6 +156,16 @@ def machine_and_commit(provenance: dict) -> dict:
     if provenance.get("accelerator"):  # recorded since the first GPU runs; absent (CPU) in older provenance
         machine += f", {provenance['accelerator']}"
     return {"machine": machine, "commit": provenance["git_revision"]}
+
+
+def arithmetic(resolved: str, provenance: dict) -> str:
+    """The arithmetic the run trained in: ``train.precision`` as ``dptext finetune`` resolves it (``auto`` is bf16
+    on a GPU, by autocast or FSDP's mixed precision; fp32 on a CPU). Results move with it (the audit model's loss AUC: 0.87 bf16, 0.91 fp32), so an
+    entry says which it is rather than leaving the reader to infer it from the machine."""
+    precision = (yaml.safe_load(resolved).get("train") or {}).get("precision", "auto")
+    if precision == "auto":
+        return "bf16" if provenance.get("accelerator") else "fp32"
+    return precision
 
 
 def _recipe_value(resolved: str, key: str):

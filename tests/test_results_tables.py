@@ -125,6 +125,18 @@ def test_an_invocation_that_only_evaluated_adds_to_the_earlier_training_time(tmp
     assert collect.entry(folder, {"ser": "ser"})["wall_seconds"] == 30.0 + 40.0
 
 
+def test_an_entry_says_which_arithmetic_the_run_trained_in(tmp_path):
+    """``train.precision: auto`` is bf16 on a GPU and fp32 on a CPU, and results move with it: the entry says which."""
+    folder = tmp_path / "run"
+    _fake_run(folder, ser=5.0, validation=6.0, lr=1e-3)
+    assert collect.entry(folder, {"ser": "ser"})["precision"] == "fp32"  # auto (the default) on a CPU
+    provenance = {"platform": "p", "machine": "m", "git_revision": "abc", "accelerator": "NVIDIA H100, CUDA 13.0"}
+    (folder / "provenance.json").write_text(json.dumps(provenance))
+    assert collect.entry(folder, {"ser": "ser"})["precision"] == "bf16"  # auto on a GPU
+    (folder / "resolved.yaml").write_text("train:\n  learning_rate: 0.001\n  precision: fp32\n")
+    assert collect.entry(folder, {"ser": "ser"})["precision"] == "fp32"  # pinned, as the GPU job lines do
+
+
 def test_search_waits_for_every_candidate_then_picks_on_validation_not_test(tmp_path, monkeypatch):
     runs, out = tmp_path / "runs", tmp_path / "results"
     first, *others = collect.FILES["atis"][1]["dp_sgd_eps8"]
