@@ -9,6 +9,7 @@ settings) is never reused; a line torn by a kill is computed again.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -102,6 +103,17 @@ def test_torn_last_line_is_computed_again(tmp_path):
     values = [v for _, v in journaled_batches(["a", "b", "c"], 1, lambda c: computed.append(c[0]) or c[0].upper(),
                                               resumed, "generate")]
     assert values == ["A", "B", "C"] and computed == ["c"]
+
+
+def test_a_non_finite_batch_is_computed_again_never_read_back_as_a_string(tmp_path):
+    """JSON has no NaN: a journaled NaN would come back as the string "nan" and break the resumed sum."""
+    path = tmp_path / "final_evaluation.jsonl"
+    values = {"a": (float("nan"), 3), "b": (1.5, 2)}
+    list(journaled_batches(["a", "b"], 1, lambda c: values[c[0]], EvaluationJournal(path, {"step": 1}), "nll"))
+    computed: list[str] = []
+    resumed = [v for _, v in journaled_batches(["a", "b"], 1, lambda c: computed.append(c[0]) or values[c[0]],
+                                               EvaluationJournal(path, {"step": 1}), "nll")]
+    assert computed == ["a"] and math.isnan(resumed[0][0]) and resumed[1] == [1.5, 2]
 
 
 def test_weights_digest_sees_any_change_in_any_dtype():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -51,8 +52,9 @@ class EvaluationJournal:
             atomic_write_text(self.path, json.dumps({"identity": identity}) + "\n")
 
     def record(self, part: str, start: int, value: Any) -> None:
-        append_json_line(self.path, {"part": part, "start": start, "value": value})
         self.done[(part, start)] = value
+        if _finite(value):  # JSON has no NaN/inf (they would come back as strings): such a batch is computed again
+            append_json_line(self.path, {"part": part, "start": start, "value": value})
 
 
 def journaled_batches(items: Sequence[Any], size: int, compute: Callable[[list[Any]], Any],
@@ -68,6 +70,14 @@ def journaled_batches(items: Sequence[Any], size: int, compute: Callable[[list[A
         if journal is not None:
             journal.record(part, start, value)
         yield chunk, value
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_finite(item) for item in value)
+    return True
 
 
 def _loads(line: str) -> Any:
