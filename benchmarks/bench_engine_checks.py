@@ -39,7 +39,8 @@ def main() -> None:
     start = time.perf_counter()
     report = engine.verify()
     probe_s = time.perf_counter() - start
-    ids = torch.randint(1, model.config.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, model.config.vocab_size, (args.batch, args.length),
+                        generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     step_s, check_s = [], []
     for _ in range(args.steps):

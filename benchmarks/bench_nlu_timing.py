@@ -3,8 +3,8 @@
 Every configuration is the real command (``dptext finetune recipes/{atis,snips}-*.yaml``; with 2 processes
 ``torchrun --standalone --nproc_per_node 2 -m dptext finetune ...``, gloo on CPU) run for a few steps in a fresh
 process. Time per step = the mean wall time of steps 2..S (from the run's diagnostics_not_private.jsonl; step 1
-is warm-up, and model loading, σ calibration and evaluation are not timed); time per epoch = time per step × n / B, the number of
-steps in one epoch of the recipe at the timing batch B. Configurations are interleaved round-robin (every
+is warm-up, and model loading, σ calibration and evaluation are not timed); time per epoch = time per step × n / B,
+the number of steps in one epoch of the recipe at the timing batch B. Configurations are interleaved round-robin (every
 repeat runs each once, in a rotated order) so that load from other jobs on a shared machine falls on all alike.
 
 Methods: ``nonprivate``; ``per_sample`` (per-example DP-SGD with instantiated per-example gradients, the opacus
@@ -224,7 +224,8 @@ def markdown(report: dict) -> str:
     one_minute = sorted(float(entry.split()[0]) for entry in report["load_average_1_5_15"])
     notes = []
     notes.append(f"Timing runs: B = {report['batch']}, steps 2..{report['steps']} timed, {report['repeats']} "
-                 f"repeat(s) interleaved, {report['cpus']} CPUs, {report['threads_per_process']} thread(s) per process; "
+                 f"repeat(s) interleaved, {report['cpus']} CPUs, {report['threads_per_process']} thread(s) "
+                 "per process; "
                  f"1-min load average around the runs: min {one_minute[0]:.1f}, median "
                  f"{statistics.median(one_minute):.1f}, max {one_minute[-1]:.1f}.")
     sizes = sorted({row["n"] for row in report["rows"] if row.get("n")})

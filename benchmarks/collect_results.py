@@ -160,8 +160,8 @@ def machine_and_commit(provenance: dict) -> dict:
 
 def arithmetic(resolved: str, provenance: dict) -> str:
     """The arithmetic the run trained in: ``train.precision`` as ``dptext finetune`` resolves it (``auto`` is bf16
-    on a GPU, by autocast or FSDP's mixed precision; fp32 on a CPU). Results move with it (the audit model's loss AUC: 0.87 bf16, 0.91 fp32), so an
-    entry says which it is rather than leaving the reader to infer it from the machine."""
+    on a GPU, by autocast or FSDP's mixed precision; fp32 on a CPU). Results move with it (the audit model's loss AUC:
+    0.87 bf16, 0.91 fp32), so an entry says which it is rather than leaving the reader to infer it from the machine."""
     precision = (yaml.safe_load(resolved).get("train") or {}).get("precision", "auto")
     if precision == "auto":
         return "bf16" if provenance.get("accelerator") else "fp32"

@@ -20,11 +20,13 @@ def row(run_dir: Path) -> list[str]:
     privacy = result["privacy"]
     if privacy["private"]:
         eps = privacy["epsilon"]
-        budget = f"ε={eps['rdp']['epsilon']:.2f} (RDP), δ={privacy['delta']:.2g}, σ={privacy['noise_multiplier']:.3f}"
+        budget = (f"ε={eps['rdp']['epsilon']:.2f} (RDP), δ={privacy['delta']:.2g}, "
+                  f"σ={privacy['noise_multiplier']:.3f}")
     else:
         budget = "non-private"
     metrics = result["metrics"]
-    cells = [f"{metrics[name]:.2f}" if name in metrics else "-" for name in ("bleu", "rouge_l", "perplexity", "accuracy")]
+    cells = [f"{metrics[name]:.2f}" if name in metrics else "-"
+             for name in ("bleu", "rouge_l", "perplexity", "accuracy")]
     return [result["recipe"], budget, *cells, str(privacy["steps"]), _minutes(RunDir(run_dir).finished_seconds())]
 
 

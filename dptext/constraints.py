@@ -115,10 +115,12 @@ def infer_dataset(data: Any) -> None:
     if reader is None and path.is_dir():  # a folder: e2e's release folder, or one generic format throughout
         suffixes = {p.suffix.lower() for p in path.iterdir() if p.suffix.lower() in GENERIC_READERS}
         readers = {GENERIC_READERS[s] for s in suffixes}
-        reader = DEFAULT_DATASET if (path / "trainset.csv").is_file() else (readers.pop() if len(readers) == 1 else None)
+        reader = (DEFAULT_DATASET if (path / "trainset.csv").is_file()
+                  else (readers.pop() if len(readers) == 1 else None))
     if reader is None and not path.exists():  # refused later by the data check, which names the missing path
         reader = DEFAULT_DATASET
     if reader is None:
         raise UserError(f"data.path '{data.path}' is set but data.dataset is not, and its reader cannot be told "
-                        "from the name; set data.dataset (jsonl, csv, tsv for your own files; `dptext data` lists all).")
+                        "from the name; set data.dataset (jsonl, csv, tsv for your own files; "
+                        "`dptext data` lists all).")
     data.dataset = reader

@@ -54,7 +54,8 @@ def text_family(root: Path) -> Path:
 def coded_family(root: Path) -> Path:
     """The reviews with a canary control code too: training may read it (DP), `dptext synth` refuses it."""
     return jsonl_folder(root, "coded", (24, 6, 6),
-                        lambda i, planted: {**review(i, planted), **({"category": CANARY["category"]} if planted else {})})
+                        lambda i, planted: {**review(i, planted),
+                                            **({"category": CANARY["category"]} if planted else {})})
 
 
 def numbered_family(root: Path) -> Path:
@@ -109,8 +110,8 @@ def slot_family(root: Path) -> Path:
     return folder
 
 
-FAMILIES = {"text": text_family, "coded": coded_family, "numbered": numbered_family, "table": table_family, "dialog": dialog_family,
-            "slots": slot_family}
+FAMILIES = {"text": text_family, "coded": coded_family, "numbered": numbered_family, "table": table_family,
+            "dialog": dialog_family, "slots": slot_family}
 
 TEXT = ["data.dataset=jsonl", "data.label_column=label"]
 CLASSES = ["task.labels=[negative, positive, other]", "task.other_label=other"]

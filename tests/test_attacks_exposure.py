@@ -31,7 +31,8 @@ def test_top_ranked_canary_has_exposure_log2_of_the_space():
 def test_sampled_rank_scales_the_sample_to_the_space():
     candidates = np.arange(1000, dtype=float)  # 750 candidates are more likely (lower log-perplexity)
     assert exposure.sampled_rank(749.5, candidates, 10 ** 6) == 1 + (10 ** 6 - 1) * 0.75
-    assert exposure.sampled_rank(10.0, candidates, 10 ** 6) == pytest.approx(1 + (10 ** 6 - 1) * 10.5 / 1000)  # tie: half
+    # tie: half
+    assert exposure.sampled_rank(10.0, candidates, 10 ** 6) == pytest.approx(1 + (10 ** 6 - 1) * 10.5 / 1000)
     # brute force: rank among the sample itself, exactly
     scores = np.random.default_rng(1).normal(size=200)
     canary = scores[17]

@@ -77,7 +77,8 @@ def test_epsilon_from_rates_solves_both_dp_inequalities():
 
 
 def gaussian_mechanism_epsilon(mu: float, delta: float) -> float:
-    """True ε(δ) of μ-GDP (Dong et al.): δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2), solved for ε."""
+    """True ε(δ) of μ-GDP (Dong et al.): δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2),
+    solved for ε."""
     def delta_of(eps):
         return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
 

@@ -16,7 +16,8 @@ from dptext.cli.app import main
 from dptext.errors import UserError
 from dptext.output import Progress
 
-TINY = ["model.name=tiny-bert", "data.dataset=null", "data.max_train_examples=null", "data.max_eval_examples=8", "task.type=classification", "data.max_length=32", "train.batch_size=8",
+TINY = ["model.name=tiny-bert", "data.dataset=null", "data.max_train_examples=null", "data.max_eval_examples=8",
+        "task.type=classification", "data.max_length=32", "train.batch_size=8",
         "train.max_steps=2", "eval.split=validation", "eval.batch_size=8", "name=own",
         "task.labels=[negative,positive]"]
 
@@ -24,7 +25,8 @@ TINY = ["model.name=tiny-bert", "data.dataset=null", "data.max_train_examples=nu
 def own_data(folder, labels=None, texts=None):
     """A tiny jsonl training file of the user's own (text, label) records."""
     labels = labels if labels is not None else [i % 2 for i in range(24)]
-    texts = texts if texts is not None else [f"review number {i} was {'good' if i % 2 else 'bad'}" for i in range(len(labels))]
+    texts = texts if texts is not None else [f"review number {i} was {'good' if i % 2 else 'bad'}"
+                                             for i in range(len(labels))]
     path = folder / "reviews.jsonl"
     path.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in zip(texts, labels)))
     return path

@@ -153,7 +153,8 @@ def test_empty_value_of_a_required_key_is_refused(key):
 
 
 def test_every_numeric_key_declares_its_range():
-    unbounded = [k for k, f, t in LEAVES if inner_type(t)[1] in (int, float) and all(b is None for b in f.metadata["bounds"])]
+    unbounded = [k for k, f, t in LEAVES
+                 if inner_type(t)[1] in (int, float) and all(b is None for b in f.metadata["bounds"])]
     assert unbounded == []
 
 

@@ -92,5 +92,6 @@ def test_a_run_where_every_mode_failed_exits_non_zero_and_writes_nothing(tmp_pat
     monkeypatch.delenv("DPTEXT_DEBUG", raising=False)
     with pytest.raises(SystemExit) as exit_:
         main(["bench-memory", "tiny-gpt2", "--modes", "nonprivate,ghost", "--out", str(tmp_path / "out")])
-    assert exit_.value.code == 2 and "No mode could be measured (nonprivate: failed: RuntimeError" in capsys.readouterr().err
+    assert (exit_.value.code == 2
+            and "No mode could be measured (nonprivate: failed: RuntimeError" in capsys.readouterr().err)
     assert not (tmp_path / "out").exists()

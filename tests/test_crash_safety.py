@@ -69,7 +69,8 @@ def metric_steps(run: Path) -> list[int]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if "epsilon" in record and "split" not in record:  # a training step (loss lives in diagnostics_not_private.jsonl)
+        # a training step (loss lives in diagnostics_not_private.jsonl)
+        if "epsilon" in record and "split" not in record:
             steps.append(record["step"])
     return steps
 

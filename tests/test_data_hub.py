@@ -24,7 +24,8 @@ class FakeHub:
         try:
             return self.tables[(hub_id, config, split)]
         except KeyError:
-            raise ValueError(f'Unknown split "{split}". Should be one of {sorted(k[2] for k in self.tables)}.') from None
+            raise ValueError(f'Unknown split "{split}". '
+                             f'Should be one of {sorted(k[2] for k in self.tables)}.') from None
 
 
 @pytest.fixture
@@ -96,7 +97,8 @@ def test_yelp_ratings_and_personachat_responses(hub):
          ("AlekseyKorshuk/persona-chat", None, "validation"): [
              {"personality": ["i like dogs ."],
               "utterances": [{"candidates": ["wrong", "hi , i like dogs"], "history": ["hello"]},
-                             {"candidates": ["nope", "yes , two"], "history": ["hello", "hi , i like dogs", "pets ?"]}]}]})
+                             {"candidates": ["nope", "yes , two"],
+                              "history": ["hello", "hi , i like dogs", "pets ?"]}]}]})
     assert load_split("yelp", "train") == [{"text": "Great tacos.", "rating": 5, "label": 4, "id": "0"}]
     responses = load_split("personachat", "test")  # ConvAI2's test is hidden: the official validation split
     assert [r["response"] for r in responses] == ["hi , i like dogs", "yes , two"]

@@ -77,7 +77,8 @@ def test_plot_is_a_png(gpt2, tmp_path):
 
 
 @pytest.mark.parametrize("spec,expected", [("0.1:1.0:0.1", [round(0.1 * i, 10) for i in range(1, 11)]),
-                                           ("0.9, 0,0.5", [0.0, 0.5, 0.9]), ("1", [1.0]), ("0:0.3:0.1", [0, .1, .2, .3])])
+                                           ("0.9, 0,0.5", [0.0, 0.5, 0.9]), ("1", [1.0]),
+                                           ("0:0.3:0.1", [0, .1, .2, .3])])
 def test_parse_lambdas(spec, expected):
     assert parse_lambdas(spec) == pytest.approx(expected)
 

@@ -84,7 +84,8 @@ def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, t
     monkeypatch.setattr(chunked_generation, "generate_batch", crash_on_third_batch)
     with pytest.raises(KeyboardInterrupt):
         synthesize(teacher, tmp_path / "resumed", **settings)
-    assert chunked_generation.completed_chunks(tmp_path / "resumed") == 2 and not (tmp_path / "resumed/train.jsonl").exists()
+    assert (chunked_generation.completed_chunks(tmp_path / "resumed") == 2
+            and not (tmp_path / "resumed/train.jsonl").exists())
     monkeypatch.setattr(chunked_generation, "generate_batch", real)
     synthesize(teacher, tmp_path / "resumed", **settings)
     assert read(tmp_path / "resumed") == read(tmp_path / "straight")
@@ -156,7 +157,8 @@ def test_dpkd_splits_the_budget_and_synthetic_only_is_lambda_zero(teacher, tmp_p
     result = cli(["distill", str(recipe), "--out", str(tmp_path / "dpkd")], capsys)
     claim, privacy = result["privacy_claim"], result["privacy"]
     teacher_eps = json.loads((half / "result.json").read_text())["privacy"]["epsilon"]["rdp"]["epsilon"]
-    assert claim["student_epsilon"] == pytest.approx(2.0 - teacher_eps) and claim["student_delta"] == pytest.approx(0.005)
+    assert (claim["student_epsilon"] == pytest.approx(2.0 - teacher_eps)
+            and claim["student_delta"] == pytest.approx(0.005))
     assert privacy["delta"] == pytest.approx(0.005) and privacy["target_epsilon"] == pytest.approx(2.0 - teacher_eps)
     assert privacy["epsilon"]["rdp"]["epsilon"] == pytest.approx(2.0 - teacher_eps, rel=1e-3)
     assert claim["epsilon"] == 2.0 and claim["delta"] == 0.01

@@ -299,7 +299,8 @@ def worker(out: Path) -> None:
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainer_ranks")
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
                str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)

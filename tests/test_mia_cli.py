@@ -93,7 +93,8 @@ def test_cli_mia_loss_shadow_lira_and_canary(audited_run, tmp_path, capsys):
         assert 0 <= summary["auc"] <= 1 and 0 <= summary["tpr_at_fpr_0.01"] <= 1
         assert 0 <= summary["epsilon_lower_bound"]["epsilon"] <= report["privacy"]["epsilon"]
     assert (tmp_path / "roc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((run / "mia_not_private" / "report.json").read_text())["attacks"].keys() == report["attacks"].keys()
+    assert (json.loads((run / "mia_not_private" / "report.json").read_text())["attacks"].keys()
+            == report["attacks"].keys())
     references = sorted((run / "mia_not_private" / "references").iterdir())
     assert [p.name for p in references] == ["ref-00", "ref-01"]
     for ref in references:  # trained on half of the public pool, never on audited points

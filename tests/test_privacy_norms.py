@@ -69,7 +69,8 @@ GRID = [
     ("linear", (3, 9), 16, 8), ("linear", (4,), 6, 4), ("linear", (2, 2, 3), 4, 5),
     ("conv1d", (4, 1), 3, 5), ("conv1d", (3, 2), 3, 5), ("conv1d", (3, 6), 5, 4), ("conv1d", (4,), 6, 4),
     ("embedding", (4, 1), 3, 7), ("embedding", (4, 9), 3, 7), ("layernorm", (4, 1), 5), ("layernorm", (3, 6), 5),
-    ("layernorm", (4,), 5), ("llama_rmsnorm", (4,), 5), ("llama_rmsnorm", (3, 6), 5), ("llama_rmsnorm", (4, 1), 5), ("torch_rmsnorm", (3, 4), 6),
+    ("layernorm", (4,), 5), ("llama_rmsnorm", (4,), 5), ("llama_rmsnorm", (3, 6), 5), ("llama_rmsnorm", (4, 1), 5),
+    ("torch_rmsnorm", (3, 4), 6),
 ]
 
 

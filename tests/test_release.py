@@ -39,7 +39,8 @@ def test_writing_an_unregistered_file_fails(run):
     ("model/model.safetensors", "covered"), ("model/tokenizer.json", "public"),
     ("model/intent_slot_labels.json", "public"), ("checkpoints/step-00000003.pt", "not_covered"),
     ("checkpoints/LATEST", "covered"), ("diagnostics_not_private.jsonl", "not_covered"),
-    ("audit_not_private/members.jsonl", "not_covered"), ("mia_not_private/references/ref-00/result.json", "not_covered"),
+    ("audit_not_private/members.jsonl", "not_covered"),
+    ("mia_not_private/references/ref-00/result.json", "not_covered"),
     ("metrics.jsonl", "covered"), ("ledger.json", "covered"),
 ])
 def test_registry_statuses(path, status):

@@ -41,7 +41,8 @@ def test_missing_entries_show_as_running_never_as_numbers():
 
 def test_pld_epsilon_of_unsampled_gaussians_matches_the_exact_gaussian_curve():
     # q = 1: S Gaussian steps of multiplier σ are one Gaussian with μ = √S/σ, whose exact
-    # δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle & Wang); PLD must be that, up to its (pessimistic) grid.
+    # δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle & Wang); PLD must be that, up to its
+    # (pessimistic) grid.
     sigma, steps, delta = 2.0, 16, 1e-5
     eps = collect.epsilon_pld({"delta": delta, "runs": [{"sample_rate": 1.0, "noise_multiplier": sigma,
                                                           "steps": steps}]})

@@ -37,7 +37,8 @@ def test_sampled_codes_follow_the_distribution_and_are_seeded():
 
 
 def hockey_stick_delta(sigma: float, epsilon: float) -> float:
-    """Brute force: δ(ε) = ∫ max(0, p(x) − e^ε q(x)) dx for p = N(1, σ²), q = N(0, σ²) (one count moved by 1)."""
+    """Brute force: δ(ε) = ∫ max(0, p(x) − e^ε q(x)) dx for p = N(1, σ²), q = N(0, σ²)
+    (one count moved by 1)."""
     f = lambda x: max(0.0, stats.norm.pdf(x, 1, sigma) - math.exp(epsilon) * stats.norm.pdf(x, 0, sigma))
     # the integrand is positive only right of x* = 1/2 + σ²ε
     start = 0.5 + sigma * sigma * epsilon

@@ -39,9 +39,9 @@ def write_data(folder, users: int = 12):
 def overrides(data, *extra: str) -> list[str]:
     return ["model.name=tiny-bert", "task.type=classification", "data.dataset=jsonl", f"data.path={data}",
             "data.max_length=16", "eval.split=validation", "task.labels=[0, 1]", "train.batch_size=4",
-            "train.max_steps=3", "train.log_every=1", "train.learning_rate=1e-3", "privacy.target_epsilon=8", "privacy.unit=user",
-            "data.user_column=user", f"privacy.max_examples_per_user={K}", "train.physical_batch_size=4",
-            "name=users", *extra]
+            "train.max_steps=3", "train.log_every=1", "train.learning_rate=1e-3", "privacy.target_epsilon=8",
+            "privacy.unit=user", "data.user_column=user", f"privacy.max_examples_per_user={K}",
+            "train.physical_batch_size=4", "name=users", *extra]
 
 
 def recipe(data, *extra: str):

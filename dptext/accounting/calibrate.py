@@ -113,7 +113,8 @@ def smallest_safe_sigma(excess: Callable[[float], float], guess: float, rel_tol:
     ``excess`` must decrease in x. The returned x always satisfies excess(x) ≤ 0: it is
     evaluated, not inferred from the root finder's tolerance.
     """
-    from scipy.optimize import brentq  # scipy loads only when a σ is calibrated (not for `dptext account --eps` tables)
+    # scipy loads only when a σ is calibrated (not for `dptext account --eps` tables)
+    from scipy.optimize import brentq
 
     def f(x: float) -> float:
         value = excess(x)

@@ -3,7 +3,8 @@
 For each run: reload the trained model, score its non-members and an equal-size seeded sample of its members
 (SPEC §7: members vs held-out non-members, same size), run the requested attacks on the scores and summarise
 each with AUC, TPR at FPR 1% and 0.1%, the ROC curve and an empirical ε lower bound at the run's δ, next to
-the ε the accountant proved. The report is also written to ``RUN_DIR/mia_not_private/report.json`` (not covered by ε: it scores individual records).
+the ε the accountant proved. The report is also written to ``RUN_DIR/mia_not_private/report.json`` (not covered by ε:
+it scores individual records).
 """
 
 from __future__ import annotations

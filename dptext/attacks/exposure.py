@@ -25,7 +25,8 @@ def exposure_from_rank(rank: float, space_size: float) -> float:
 
 
 def sampled_rank(canary_score: float, candidate_scores, space_size: float) -> float:
-    """1 + (|R| − 1) · (fraction of candidates with strictly lower log-perplexity); exact when candidates = R \\ {canary}."""
+    """1 + (|R| − 1) · (fraction of candidates with strictly lower log-perplexity); exact when
+    candidates = R \\ {canary}."""
     candidates = np.asarray(candidate_scores, dtype=float)
     below = float(np.sum(candidates < canary_score))
     ties = float(np.sum(candidates == canary_score))

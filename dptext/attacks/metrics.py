@@ -7,12 +7,13 @@ statistic); ``tpr_at_fpr`` is the highest TPR among thresholds whose FPR is at m
 2022, "Membership inference attacks from first principles").
 
 ``epsilon_lower_bound`` turns an attack into an empirical lower bound on ε. An (ε, δ)-DP mechanism forces
-every membership test to satisfy TPR ≤ e^ε·FPR + δ and 1 − FPR ≤ e^ε·(1 − TPR) + δ (Kairouz et al. 2015), so
-ε ≥ max(log((TPR − δ)/FPR), log((1 − FPR − δ)/(1 − TPR))). We replace TPR by a one-sided Clopper–Pearson lower
-bound and FPR by an upper bound (each at level α/2, so both hold together with probability ≥ 1 − α) and, so
-that choosing the threshold does not bias the bound upwards, choose it on one random half of the scores and
-evaluate it on the other half. Each member / non-member is treated as an independent trial; that is exact for
-scores from independent runs (Jagielski et al. 2020) and a heuristic over the examples of a single run.
+every membership test to satisfy TPR ≤ e^ε·FPR + δ and 1 − FPR ≤ e^ε·(1 − TPR) + δ (Kairouz et al. 2015),
+so ε ≥ max(log((TPR − δ)/FPR), log((1 − FPR − δ)/(1 − TPR))). We replace TPR by a one-sided
+Clopper–Pearson lower bound and FPR by an upper bound (each at level α/2, so both hold together with
+probability ≥ 1 − α) and, so that choosing the threshold does not bias the bound upwards, choose it on one random
+half of the scores and evaluate it on the other half. Each member / non-member is treated as an independent trial;
+that is exact for scores from independent runs (Jagielski et al. 2020) and a heuristic over the examples of a single
+run.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ exactly like the target but on data that excludes the audited points. The target
 (``audit.public_examples``: records of the same source that neither the target nor its non-members use, so
 "public" by construction), and reference i trains on a seeded random half of them through the training entry
 point the caller passes in (``dptext mia`` passes ``run_finetune``; attacks sit below the training runs and never
-call them themselves) with ``audit.train_indices`` naming that half. Both attacks share the same references: shadow model i's
-members are its half, its non-members the other half of the pool. They live in
+call them themselves) with ``audit.train_indices`` naming that half. Both attacks share the same references: shadow
+model i's members are its half, its non-members the other half of the pool. They live in
 ``RUN_DIR/mia_not_private/references/ref-NN/`` (complete run directories) and are reused by later audits.
 """
 

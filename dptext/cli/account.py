@@ -23,7 +23,8 @@ Examples:
 
 
 def account(
-    run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory: the ε its ledger has spent and its release manifest (or a `dptext synth` folder).",
+    run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory: the ε its ledger has spent and its "
+                                                      "release manifest (or a `dptext synth` folder).",
                                                       show_default=False)] = None,
     eps: Annotated[Optional[float], typer.Option("--eps", "--epsilon", help="Target ε: find σ.")] = None,
     sigma: Annotated[Optional[float], typer.Option(

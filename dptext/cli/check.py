@@ -14,12 +14,14 @@ from dptext.cli.common import JsonOption, OverridesArgument, make_output
 def check(
     recipe: Annotated[Optional[Path], typer.Argument(help="Recipe YAML file to validate.", show_default=False)] = None,
     overrides: OverridesArgument = None,
-    schema: Annotated[bool, typer.Option("--schema", help="Print every recipe key with its type, default and meaning.")] = False,
+    schema: Annotated[bool, typer.Option("--schema", help="Print every recipe key with its type, default and "
+                                         "meaning.")] = False,
     model: Annotated[Optional[str], typer.Option("--model", help="Check this model (name or folder) with the privacy "
                                                  "engine's start-up probe instead of a recipe.")] = None,
     head: Annotated[str, typer.Option("--head", help="Model head for --model: causal_lm, masked_lm, "
                                       "sequence_classification or base.")] = "causal_lm",
-    clipping_mode: Annotated[str, typer.Option("--clipping-mode", help="bookkeeping, ghost or per_sample.")] = "bookkeeping",
+    clipping_mode: Annotated[str, typer.Option("--clipping-mode",
+                                               help="bookkeeping, ghost or per_sample.")] = "bookkeeping",
     clipping_layout: Annotated[str, typer.Option("--clipping-layout", help="all_layer or per_layer.")] = "all_layer",
     json_mode: JsonOption = False,
 ) -> None:

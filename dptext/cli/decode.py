@@ -10,9 +10,12 @@ from typing_extensions import Annotated
 
 from dptext.cli.common import JsonOption, make_output
 
-HELP = """Sample from a trained model with a per-query DP guarantee (Majmudar et al.), or measure the privacy/utility trade-off on held-out text.
+HELP = """Sample from a trained model with a per-query DP guarantee (Majmudar et al.), or measure the privacy/utility \
+trade-off on held-out text.
 
-Each next-token (or masked-token) distribution q is mixed with the uniform one, q' = λq + (1−λ)u, and tokens are drawn at random from q' (random sampling only: greedy, beam search, top-k and top-p are refused). One query of at most T sampled tokens is ε-DP with ε = T·log((1 + (|V|−1)λ)/(1−λ)), |V| = the model's output dimension.
+Each next-token (or masked-token) distribution q is mixed with the uniform one, q' = λq + (1−λ)u, and tokens are \
+drawn at random from q' (random sampling only: greedy, beam search, top-k and top-p are refused). One query of at most \
+T sampled tokens is ε-DP with ε = T·log((1 + (|V|−1)λ)/(1−λ)), |V| = the model's output dimension.
 
 Examples:
 
@@ -23,25 +26,45 @@ Examples:
 
 
 def decode(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model: hub name, local folder or offline alias (smollm2-135m, tiny-gpt2, tiny-roberta, ...).")],
-    prompt: Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Prompt to continue (causal LM) or text with mask tokens to fill (masked LM); repeat for a batch. Each prompt is one query.")] = None,
-    lam: Annotated[Optional[float], typer.Option("--lambda", help="Weight λ ∈ [0, 1) of the model in q' = λq + (1−λ)u; smaller is more private.")] = None,
-    eps: Annotated[Optional[float], typer.Option("--eps", help="Target ε per query instead of --lambda: λ is solved for T and |V|.")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-T", help="Tokens to generate: the T that ε is computed for (causal LMs).")] = 32,
-    temperature: Annotated[float, typer.Option("--temperature", help="Temperature applied to q before the mixing; does not change ε.")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed, for reproducible outputs (the guarantee assumes readers do not know it).")] = None,
-    public_model: Annotated[Optional[str], typer.Option("--public-model", help="A PUBLIC model with the same tokenizer whose top-k tokens form the support; ε then uses k instead of |V|.")] = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Support size k taken from --public-model (never from the private model).")] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Refused: nucleus sampling on the private model voids the guarantee.", hidden=True)] = None,
-    greedy: Annotated[bool, typer.Option("--greedy", help="Refused: the guarantee covers random sampling only.", hidden=True)] = False,
-    num_beams: Annotated[int, typer.Option("--num-beams", help="Refused above 1: the guarantee covers random sampling only.", hidden=True)] = 1,
-    data: Annotated[Optional[Path], typer.Option("--data", help="Held-out text for a sweep: one example per line, or .jsonl with a text field.")] = None,
-    sweep: Annotated[Optional[str], typer.Option("--sweep", help="λ values for --data: start:stop:step (stop included) or a comma list. Default 0.1:1.0:0.1.")] = None,
-    text_column: Annotated[str, typer.Option("--text-column", help="Field holding the text in a .jsonl --data file.")] = "text",
-    max_examples: Annotated[Optional[int], typer.Option("--max-examples", help="Use only the first N examples of --data.")] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help="Model: hub name, local folder or offline alias "
+                                       "(smollm2-135m, tiny-gpt2, tiny-roberta, ...).")],
+    prompt: Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Prompt to continue (causal LM) or text "
+                                                        "with mask tokens to fill (masked LM); repeat for a batch. "
+                                                        "Each prompt is one query.")] = None,
+    lam: Annotated[Optional[float], typer.Option("--lambda", help="Weight λ ∈ [0, 1) of the model in q' = λq + "
+                                                 "(1−λ)u; smaller is more private.")] = None,
+    eps: Annotated[Optional[float], typer.Option("--eps", help="Target ε per query instead of --lambda: λ is solved "
+                                                 "for T and |V|.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-T", help="Tokens to generate: the T that ε is "
+                                                "computed for (causal LMs).")] = 32,
+    temperature: Annotated[float, typer.Option("--temperature", help="Temperature applied to q before the mixing; does "
+                                               "not change ε.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed, for reproducible outputs (the guarantee "
+                                                "assumes readers do not know it).")] = None,
+    public_model: Annotated[Optional[str], typer.Option("--public-model", help="A PUBLIC model with the same tokenizer "
+                                                        "whose top-k tokens form the support; ε then uses k instead "
+                                                        "of |V|.")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Support size k taken from --public-model (never from "
+                                                 "the private model).")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Refused: nucleus sampling on the private model "
+                                                   "voids the guarantee.", hidden=True)] = None,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Refused: the guarantee covers "
+                                         "random sampling only.", hidden=True)] = False,
+    num_beams: Annotated[int, typer.Option("--num-beams", help="Refused above 1: the guarantee covers "
+                                           "random sampling only.", hidden=True)] = 1,
+    data: Annotated[Optional[Path], typer.Option("--data", help="Held-out text for a sweep: one example per line, or "
+                                                 ".jsonl with a text field.")] = None,
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="λ values for --data: start:stop:step (stop "
+                                                 "included) or a comma list. Default 0.1:1.0:0.1.")] = None,
+    text_column: Annotated[str, typer.Option("--text-column", help="Field holding the text in a "
+                                             ".jsonl --data file.")] = "text",
+    max_examples: Annotated[Optional[int], typer.Option("--max-examples", help="Use only the first N "
+                                                        "examples of --data.")] = None,
     max_length: Annotated[int, typer.Option("--max-length", help="Truncate each example to this many tokens.")] = 128,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Examples per forward pass (does not change privacy or results).")] = 16,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of perplexity against ε (sweep only).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Examples per forward pass (does not change privacy "
+                                            "or results).")] = 16,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of perplexity "
+                                                 "against ε (sweep only).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto (GPU if present), cpu or cuda.")] = "auto",
     json_mode: JsonOption = False,
 ) -> None:

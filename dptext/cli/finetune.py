@@ -13,7 +13,8 @@ from dptext.cli.common import (JsonOption, OutOption, OverridesArgument, ResumeO
 
 
 def finetune(
-    recipe: Annotated[Optional[Path], typer.Argument(help="Recipe YAML file (see recipes/).", show_default=False)] = None,
+    recipe: Annotated[Optional[Path], typer.Argument(help="Recipe YAML file (see recipes/).",
+                                                     show_default=False)] = None,
     overrides: OverridesArgument = None,
     out: OutOption = None,
     resume: ResumeOption = None,

@@ -44,7 +44,8 @@ def models(
     result["models"] = rows
     out.table("Offline models", ["name", "status", "description"],
               [[r["name"], r["status"], r["description"]] for r in rows])
-    out.info("Any Hugging Face hub name (gpt2, roberta-base) or local model folder also works where a model is asked for.")
+    out.info("Any Hugging Face hub name (gpt2, roberta-base) or local model folder also works where a model is "
+             "asked for.")
     out.result(result)
 
 

@@ -67,7 +67,8 @@ def render(output, out: Path, summary: dict) -> None:
     coverage, lengths = summary["code_coverage"], summary["length_tokens"]
     speed = summary["throughput_this_session"]
     rows = [["records (train / validation)", f"{summary['splits']['train']} / {summary['splits']['validation']}"],
-            ["codes generated / in distribution", f"{coverage['codes_generated']} / {coverage['codes_in_distribution']}"],
+            ["codes generated / in distribution", f"{coverage['codes_generated']} / "
+                                                  f"{coverage['codes_in_distribution']}"],
             ["code TV distance to distribution", coverage["total_variation_to_distribution"]],
             ["tokens: mean / median / p90 / max", f"{lengths['mean']:.1f} / {lengths['median']} / {lengths['p90']} / "
                                                   f"{lengths['max']}"],

@@ -99,7 +99,8 @@ def _from_hub(dataset: str, split: str, seed: int) -> list[dict[str, Any]]:
     return halve_seeded(_hub_records(dataset, "test"), split, by_index, seed)
 
 
-def read_intent_slots(dataset: str, split: str, path: Optional[str] = None, split_seed: int = 0) -> list[dict[str, Any]]:
+def read_intent_slots(dataset: str, split: str, path: Optional[str] = None,
+                      split_seed: int = 0) -> list[dict[str, Any]]:
     split = canonical_split(split)
     if path is None:
         return _from_hub(dataset, split, split_seed)

@@ -104,7 +104,8 @@ def _personachat_json(path: Optional[str], split: str) -> list[dict[str, Any]]:
     try:
         data = json.loads(source.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"Could not read Persona-Chat from {source} ({exc}); pass personachat_self_original.json.") from None
+        raise UserError(f"Could not read Persona-Chat from {source} ({exc}); "
+                        "pass personachat_self_original.json.") from None
     key = "train" if split == "train" else "valid"
     if not isinstance(data, dict) or key not in data:
         raise UserError(f"{source} has no {key!r} list; expected personachat_self_original.json.")

@@ -38,7 +38,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
                 raise UserError(f"{path} line {line_number} is not valid JSON ({exc.msg}); "
                                 "jsonl needs one JSON object per line.") from None
             if not isinstance(row, dict):
-                raise UserError(f"{path} line {line_number} is a JSON {type(row).__name__}, not an object with columns.")
+                raise UserError(f"{path} line {line_number} is a JSON {type(row).__name__}, "
+                                "not an object with columns.")
             rows.append(row)
     return rows
 

@@ -108,7 +108,8 @@ def read_glue_tsv(task: str, path: Path) -> list[dict[str, Any]]:
                 raise UserError(f"{path} line {line_number} has {len(columns)} columns in its header but a different "
                                 "number of tab-separated fields in the row.")
             pair = row[layout.pair] if layout.pair else None
-            records.append(_normalised(task, row, row[layout.text], pair, row.get(layout.label), f"{path} line {line_number}"))
+            records.append(_normalised(task, row, row[layout.text], pair, row.get(layout.label),
+                                       f"{path} line {line_number}"))
     return records
 
 

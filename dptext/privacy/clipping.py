@@ -100,7 +100,8 @@ def clip_coefficients(norms_sq: dict[nn.Parameter, Tensor], max_grad_norm: float
             for param, norm_sq in norms_sq.items()}, total
 
 
-def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor], per_unit: bool = False) -> dict[nn.Parameter, Tensor]:
+def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor],
+                 per_unit: bool = False) -> dict[nn.Parameter, Tensor]:
     """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping); with
     ``per_unit`` the factors are per unit and each row takes its unit's (``use.units``).
 
@@ -136,8 +137,8 @@ def check_clipped_sums(sums: dict[nn.Parameter, Tensor], norms: Tensor, units: i
     units·C (per-layer layout: each parameter within units·C/√P). Returns (parameter, why) on a violation.
 
     It runs on private data, so ``why`` names the failed property, never a value from the batch. Triangle
-    inequality: ‖Σ_i c_i g_i‖ ≤ Σ_i ‖c_i g_i‖ ≤ units·C whatever the data, so a violation is an engine bug
-    (or a non-finite gradient), not bad luck."""
+    inequality: ‖Σ_i c_i g_i‖ ≤ Σ_i ‖c_i g_i‖ ≤ units·C whatever the data, so a violation is an engine
+    bug (or a non-finite gradient), not bad luck."""
     if not bool(torch.isfinite(norms).all()):
         return next(iter(sums), None), "a per-example gradient norm is not finite"
     if not sums:

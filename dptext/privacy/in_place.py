@@ -1,7 +1,8 @@
 """In-place changes of what a recorded layer use depends on: which are exact, and which are refused.
 
 A gradient hook registered on a tensor before it is changed in place (``ReLU(inplace=True)``, ``out.mul_()``,
-Falcon's ``+=``, Longformer's ``/=``) receives the gradient of the value before the change, which is what the weight saw, so such changes are exact — provided the hook sits on the node
+Falcon's ``+=``, Longformer's ``/=``) receives the gradient of the value before the change, which is what the weight
+saw, so such changes are exact — provided the hook sits on the node
 that produced the value. A layer's output is often a view (``F.linear`` on a (B, T, d) input returns a view of a
 (B·T, p) matrix), and an in-place change of a view re-routes autograd around the view's node, so a hook there
 would never fire and the use would silently vanish. The hook therefore goes on the view's base when the output is

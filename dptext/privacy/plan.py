@@ -84,8 +84,8 @@ def unproven_rules(model: nn.Module, tracked: dict[nn.Module, Any]) -> dict[nn.M
 
     The registry already refuses subclasses that override ``forward`` and confirms structural matches
     numerically; what it cannot see is an instance whose ``forward`` was replaced and foreign forward hooks
-    (a pre-hook rewrites the input, a hook registered with prepend=True rewrites the output before ours). Hooks are found through
-    ``Module._forward_hooks`` and friends: torch has no public way to list them."""
+    (a pre-hook rewrites the input, a hook registered with prepend=True rewrites the output before ours). Hooks are
+    found through ``Module._forward_hooks`` and friends: torch has no public way to list them."""
     global_hooks = bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
     unproven = {}
     for module, (rule, _) in tracked.items():

@@ -1,10 +1,11 @@
 """peft DoRA's magnitude vector (``DoraLinearLayer.weight``, one entry per output feature).
 
-DoRA adds to the base output y⁰ = W a (bias excluded) the term (s − 1) ⊙ y⁰ + s ⊙ κ·B A a with s = m / ‖W + κBA‖
-(row norms, detached from the graph as the DoRA paper and peft do). So ∂output_t/∂m = (y⁰_t + κ·B A a_t) / ‖W + κBA‖
-and the per-example gradient is G_i = Σ_t h_t ⊙ g_t with h_t that factor: d-dimensional, instantiated like a
-norm layer's weight (SPEC §2). The A and B matrices are ordinary Linear layers with their own rules; the
-weight norm is computed from detached weights, so it opens no path of its own.
+DoRA adds to the base output y⁰ = W a (bias excluded) the term (s − 1) ⊙ y⁰ + s ⊙ κ·B A a with
+s = m / ‖W + κBA‖ (row norms, detached from the graph as the DoRA paper and peft do). So
+∂output_t/∂m = (y⁰_t + κ·B A a_t) / ‖W + κBA‖ and the per-example gradient is G_i = Σ_t h_t ⊙ g_t
+with h_t that factor: d-dimensional, instantiated like a norm layer's weight (SPEC §2). The A and B matrices are
+ordinary Linear layers with their own rules; the weight norm is computed from detached weights, so it opens no path of
+its own.
 ``keep_call`` recomputes h from the layer's keyword arguments (peft passes lora_A, lora_B, scaling, base_layer
 and possibly base_result as keywords); only a plain 2-D base weight and bias-free A, B Linear layers are handled.
 """

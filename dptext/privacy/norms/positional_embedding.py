@@ -3,8 +3,8 @@ mBART (from the sequence length), each looking up row ``position + offset`` (off
 
 The lookup itself is a plain embedding, so the Embedding rule applies once the ids it used are known; this rule
 only recomputes those ids the way the layer's forward does, from its positional and keyword arguments:
-* OPT/BioGPT: position_t = cumsum(mask)_t · mask_t − 1 (padding → −1, i.e. row offset − 1), cut after the cached
-  tokens, or the ``position_ids`` given (one row per example, or one row for all: BioGPT passes its cache
+* OPT/BioGPT: position_t = cumsum(mask)_t · mask_t − 1 (padding → −1, i.e. row offset − 1), cut after the
+  cached tokens, or the ``position_ids`` given (one row per example, or one row for all: BioGPT passes its cache
   positions);
 * BART/mBART: position_t = past + t for every example (the encoder passes a float tensor, used for its shape), or
   the one row of ``position_ids`` given (the decoder passes its cache positions).
