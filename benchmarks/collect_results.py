@@ -139,13 +139,16 @@ def entry(run_dir: Path, metric_names: dict) -> dict:
 
 
 def wall_seconds(run: RunDir, records: list[dict], clock: dict) -> float | None:
-    """The logged time of every invocation but the last, plus the last one's whole time (``finished_seconds``)."""
+    """The logged time of every invocation but the last, plus the last one's whole time (``finished_seconds``),
+    plus the final-evaluation batches an interrupted invocation computed and the last one took from the journal."""
     finished = run.finished_seconds()
     if finished is None or not clock:
         return finished
     timed = [r for r in records if "seconds" in r and "split" not in r]
-    started = [r.get("start_step") for r in records if r.get("event") == "finished"]
-    if started and started[-1] is not None and not any(r["step"] > started[-1] for r in timed):
+    ends = [r for r in records if r.get("event") == "finished"]
+    started = ends[-1].get("start_step") if ends else None
+    finished += ends[-1].get("evaluation_reused_seconds", 0.0) if ends else 0.0
+    if started is not None and not any(r["step"] > started for r in timed):
         # the finishing invocation resumed at the last step and only evaluated: every logged segment is earlier
         return clock["train_seconds"] + finished
     return clock["train_seconds"] - (timed[-1]["seconds"] if timed else 0.0) + finished

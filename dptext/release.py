@@ -81,13 +81,13 @@ RUN_ENTRIES = (
           "evaluation split (which is not a training set: ε says nothing about its records)", dp_result=True),
     Entry("diagnostics_not_private.jsonl", NOT_COVERED,
           "per logged step: exact mean training loss, realised Poisson batch size, seconds; the run's total "
-          "seconds",
+          "seconds (with those of journaled evaluation batches it did not redo)",
           "un-noised statistics of the sampled private batches: the batch size alone tells whether a record "
           "was sampled"),
     Entry("result.json", COVERED, "final evaluation, privacy summary, settings", "as metrics.jsonl",
           dp_result=True),
     Entry("final_evaluation.jsonl", COVERED, "the final evaluation's finished batches (generated completions, "
-          "perplexity sums), kept so an interrupted evaluation resumes",
+          "perplexity sums, the seconds each took), kept so an interrupted evaluation resumes",
           "post-processing of the DP model on the evaluation split, as metrics.jsonl", dp_result=True),
     Entry("model/intent_slot_labels.json", PUBLIC, "the declared intents and BIO slot tags (task.intents, "
           "task.slot_types)"),

@@ -72,6 +72,11 @@ def test_run_cut_inside_final_evaluation_resumes_without_redoing_finished_batche
     assert any(entry["part"] == "perplexity" for entry in journal[1:])
     files = {f["path"]: f for f in json.loads((tmp_path / "cut" / "release.json").read_text())["files"]}
     assert files["final_evaluation.jsonl"]["status"] == "covered"
+    # the finishing invocation says how long the batches it took from the journal had taken (for the wall time)
+    reused = sum(entry["seconds"] for entry in journal[1:3])
+    finished = [json.loads(line) for line in (tmp_path / "cut" / "diagnostics_not_private.jsonl").read_text()
+                .splitlines() if '"finished"' in line][-1]
+    assert reused > 0 and finished["evaluation_reused_seconds"] == pytest.approx(reused)
 
 
 def test_journal_for_other_weights_or_records_is_started_afresh(tmp_path):
@@ -103,6 +108,16 @@ def test_torn_last_line_is_computed_again(tmp_path):
     values = [v for _, v in journaled_batches(["a", "b", "c"], 1, lambda c: computed.append(c[0]) or c[0].upper(),
                                               resumed, "generate")]
     assert values == ["A", "B", "C"] and computed == ["c"]
+
+
+def test_a_journal_adds_up_the_seconds_of_the_batches_it_hands_back(tmp_path, monkeypatch):
+    path = tmp_path / "final_evaluation.jsonl"
+    ticks = iter(range(0, 100, 5))  # each computed batch takes 5 s by this clock
+    monkeypatch.setattr(eval_journal.time, "monotonic", lambda: float(next(ticks)))
+    list(journaled_batches(["a", "b"], 1, lambda c: c, EvaluationJournal(path, {"step": 1}), "generate"))
+    resumed = EvaluationJournal(path, {"step": 1})
+    list(journaled_batches(["a", "b", "c"], 1, lambda c: c, resumed, "generate"))
+    assert resumed.reused_seconds == 10.0  # a and b from disk; c computed now, counted by the invocation itself
 
 
 def test_a_non_finite_batch_is_computed_again_never_read_back_as_a_string(tmp_path):

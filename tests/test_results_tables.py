@@ -124,6 +124,11 @@ def test_an_invocation_that_only_evaluated_adds_to_the_earlier_training_time(tmp
         '{"step": 10, "loss": 1.0, "seconds": 30.0}\n{"step": 20, "loss": 0.9, "seconds": 25.0}\n'
         '{"event": "finished", "step": 20, "start_step": 10, "total_seconds": 40.0}\n')
     assert collect.entry(folder, {"ser": "ser"})["wall_seconds"] == 30.0 + 40.0
+    (folder / "diagnostics_not_private.jsonl").write_text(  # cut during its final evaluation, 12 s of it journaled
+        '{"step": 10, "loss": 1.0, "seconds": 30.0}\n{"step": 20, "loss": 0.9, "seconds": 55.0}\n'
+        '{"event": "finished", "step": 20, "start_step": 20, "total_seconds": 40.0, '
+        '"evaluation_reused_seconds": 12.0}\n')
+    assert collect.entry(folder, {"ser": "ser"})["wall_seconds"] == 55.0 + 40.0 + 12.0
 
 
 def test_an_entry_says_which_arithmetic_the_run_trained_in(tmp_path):

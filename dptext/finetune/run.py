@@ -167,7 +167,8 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     last, steps_run = run_loop(training, run, output, start_step, evaluate)
     if training.selection is not None and recipe.train.keep_best:
         model_selection.restore_best(run, training.model, training.selection)
-    final = evaluate(training.final_records, final_journal(training, run, steps_run))
+    journal = final_journal(training, run, steps_run)
+    final = evaluate(training.final_records, journal)
     run.log_metrics({"step": steps_run, "split": recipe.eval.split, **final})
     full_state = sharding.full_state_dict(training)  # FSDP2: every rank sends its shards to rank 0
     if not dist.is_writer:
@@ -186,8 +187,10 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     # The run's wall time is an un-noised function of the realised Poisson batch sizes and of the sampled records'
     # lengths, like the per-step clock, so it goes to the not-covered diagnostics, not into the covered result.json.
     # start_step: where this invocation began, so a collector can tell an invocation that only evaluated (resumed
-    # at the last step) from one that trained, and add the earlier invocations' time to the wall time
-    run.log_diagnostics({"event": "finished", "step": steps_run, "start_step": start_step, "total_seconds": seconds})
+    # at the last step) from one that trained, and add the earlier invocations' time to the wall time; with the
+    # seconds an earlier invocation spent on the evaluation batches this one took from the journal
+    run.log_diagnostics({"event": "finished", "step": steps_run, "start_step": start_step, "total_seconds": seconds,
+                         "evaluation_reused_seconds": journal.reused_seconds if journal is not None else 0.0})
     run.save_result(result, release_flags(training))
     release()
     return {**result, "seconds": seconds}

@@ -7,6 +7,9 @@ appended to the journal as one JSON line (flushed and fsynced: a kill loses at m
 The first line is the journal's identity: the training step, a hash of the weights, a hash of the records and the
 evaluation settings. A journal whose identity differs from the evaluation about to run is started afresh, so no
 batch computed for other weights, other records or other settings is ever reused.
+
+Each batch also keeps the seconds it took, so that a resumed run's wall time can count the work it did not redo
+(``reused_seconds``; a function of the DP model and the evaluation split, like the batch's values).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -42,19 +46,26 @@ class EvaluationJournal:
         self.path = Path(path)
         self.identity = identity
         self.done: dict[tuple[str, int], Any] = {}
+        self.seconds: dict[tuple[str, int], float] = {}  # what each batch on disk took when it was computed
+        self.reused_seconds = 0.0  # of the batches this evaluation took from disk instead of computing them
         lines = read_lines(self.path) if self.path.exists() else []
         if lines and _loads(lines[0]) == {"identity": identity}:
             for line in lines[1:]:
                 entry = _loads(line)
                 if entry is not None:  # None: the line a kill tore mid-write; that batch is computed again
                     self.done[(entry["part"], entry["start"])] = entry["value"]
+                    self.seconds[(entry["part"], entry["start"])] = entry.get("seconds", 0.0)
         else:
             atomic_write_text(self.path, json.dumps({"identity": identity}) + "\n")
 
-    def record(self, part: str, start: int, value: Any) -> None:
+    def record(self, part: str, start: int, value: Any, seconds: float = 0.0) -> None:
         self.done[(part, start)] = value
         if _finite(value):  # JSON has no NaN/inf (they would come back as strings): such a batch is computed again
-            append_json_line(self.path, {"part": part, "start": start, "value": value})
+            append_json_line(self.path, {"part": part, "start": start, "value": value, "seconds": seconds})
+
+    def reuse(self, part: str, start: int) -> Any:
+        self.reused_seconds += self.seconds.get((part, start), 0.0)
+        return self.done[(part, start)]
 
 
 def journaled_batches(items: Sequence[Any], size: int, compute: Callable[[list[Any]], Any],
@@ -64,11 +75,12 @@ def journaled_batches(items: Sequence[Any], size: int, compute: Callable[[list[A
     for start in range(0, len(items), size):
         chunk = list(items[start:start + size])
         if journal is not None and (part, start) in journal.done:
-            yield chunk, journal.done[(part, start)]
+            yield chunk, journal.reuse(part, start)
             continue
+        started = time.monotonic()
         value = compute(chunk)
         if journal is not None:
-            journal.record(part, start, value)
+            journal.record(part, start, value, time.monotonic() - started)
         yield chunk, value
 
 
