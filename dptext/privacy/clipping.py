@@ -132,15 +132,16 @@ def invariant_tolerance(dtypes) -> float:
 
 
 def check_clipped_sums(sums: dict[nn.Parameter, Tensor], norms: Tensor, units: int, max_grad_norm: float,
-                       layout: str, num_groups: int) -> tuple[nn.Parameter, str] | None:
+                       layout: str, num_groups: int) -> tuple[nn.Parameter | None, str] | None:
     """The per-step invariant (issue 23): per-example norms finite, and the clipped sum of ``units`` units within
-    units·C (per-layer layout: each parameter within units·C/√P). Returns (parameter, why) on a violation.
+    units·C (per-layer layout: each parameter within units·C/√P). Returns (parameter, why) on a violation; the
+    parameter is None where the failed property belongs to no one parameter (all-layer budget, the norms).
 
     It runs on private data, so ``why`` names the failed property, never a value from the batch. Triangle
     inequality: ‖Σ_i c_i g_i‖ ≤ Σ_i ‖c_i g_i‖ ≤ units·C whatever the data, so a violation is an engine
     bug (or a non-finite gradient), not bad luck."""
     if not bool(torch.isfinite(norms).all()):
-        return next(iter(sums), None), "a per-example gradient norm is not finite"
+        return None, "a per-example gradient norm is not finite"
     if not sums:
         return None
     tolerance = invariant_tolerance({total.dtype for total in sums.values()})
@@ -153,14 +154,16 @@ def check_clipped_sums(sums: dict[nn.Parameter, Tensor], norms: Tensor, units: i
 
 
 def judge_squared_sums(params: list[nn.Parameter], squares: Tensor, units: float, max_grad_norm: float,
-                       layout: str, num_groups: int, tolerance: float) -> tuple[nn.Parameter, str] | None:
+                       layout: str, num_groups: int, tolerance: float) -> tuple[nn.Parameter | None, str] | None:
     """The invariant's verdict from each parameter's squared clipped-sum norm (``squares[j]`` for ``params[j]``);
     sharded ghost clipping calls it on squares summed over the ranks."""
     if not bool(torch.isfinite(squares).all()):  # one device sync per check, not one per parameter
         return params[int((~torch.isfinite(squares)).nonzero()[0])], "its clipped sum is not finite"
     if layout == "all_layer":
         if float(squares.sum().sqrt()) > units * max_grad_norm * (1 + tolerance):
-            return params[int(squares.argmax())], "the clipped sum exceeds the batch's budget of units × C"
+            # the budget is the whole model's, so no one parameter broke it; naming the largest would point at a
+            # culprit that may not be one (and say which layer's gradient was largest on private data)
+            return None, "the clipped sum of all parameters together exceeds the batch's budget of units × C"
         return None
     budget = units * max_grad_norm / math.sqrt(num_groups) * (1 + tolerance)
     over = squares.sqrt() > budget

@@ -142,7 +142,7 @@ class ShardedDPOptimizer(DPOptimizer):
                                      invariant_tolerance({torch.float32}))
         if problem is not None:
             self.zero_grad()
-            raise invariant_failed(self.param_names.get(problem[0], "?"), problem[1])
+            raise invariant_failed(None if problem[0] is None else self.param_names.get(problem[0], "?"), problem[1])
         return grads
 
     def _reduce_scatter(self) -> dict[nn.Parameter, Tensor]:

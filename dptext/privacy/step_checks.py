@@ -50,7 +50,7 @@ def check_invariant(engine, sums, norms: Tensor, units: int) -> None:
                                           len(engine.params))
     if problem is not None:
         param, why = problem
-        error = invariant_failed(engine.param_names().get(param, "?") if param is not None else "(no parameter)", why)
+        error = invariant_failed(engine.param_names().get(param, "?") if param is not None else None, why)
         if engine.dp_optimizer.any_rank is not None and not engine.recorder.probing:  # the probe's synthetic
             engine.dp_optimizer.refuse(error)  # batches are the same on every rank: it raises at once, everywhere
             return
@@ -58,8 +58,9 @@ def check_invariant(engine, sums, norms: Tensor, units: int) -> None:
         raise error
 
 
-def invariant_failed(name: str, why: str) -> UserError:
-    return UserError(f"The per-step privacy check failed at parameter '{name}' ({why}); nothing from this batch "
+def invariant_failed(name: str | None, why: str) -> UserError:
+    where = f"at parameter '{name}'" if name is not None else "for the model as a whole"
+    return UserError(f"The per-step privacy check failed {where} ({why}); nothing from this batch "
                      "was applied — lower the learning rate if training diverged, else report this engine bug and "
                      "use clipping_mode='per_sample' meanwhile.")
 
