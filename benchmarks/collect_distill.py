@@ -62,16 +62,21 @@ def entry(run: Path, label: str) -> dict | None:
 
 
 def synthetic_entry(folder: Path) -> dict | None:
-    """What the students trained on: size, ε of the data (teacher + code histogram), coverage, copies."""
+    """What the students trained on: size, ε of the data (teacher + code histogram), coverage. Not the count of
+    training texts copied verbatim (``training_copies_not_private.json``): it is computed from the private training
+    texts without noise, and a committed result file is published (README, "What a run writes")."""
     if not (folder / "provenance.json").is_file():
         return None
+    status = {f["path"]: f["status"] for f in read_json(folder / "release.json")["files"]}
+    hidden = [name for name in ("provenance.json", "summary.json") if status.get(name) == "not_covered"]
+    if hidden:  # e.g. synth --codes exact: the code histogram is the private data's own
+        raise SystemExit(f"{folder}: {', '.join(hidden)} not covered by ε (release.json), so not collected into a "
+                         "published result; re-run synth without the flag that took it out of the guarantee.")
     provenance, summary = read_json(folder / "provenance.json"), read_json(folder / "summary.json")
-    copies = folder / "training_copies_not_private.json"
     return {"run": folder.name, "n": summary["n"], "splits": summary["splits"], "privacy": provenance["privacy"],
             "code_distribution": provenance["code_distribution"], "generation": provenance["generation"],
             "code_coverage": {k: v for k, v in summary["code_coverage"].items() if k != "per_code"},
             "length_tokens": summary["length_tokens"], "exact_duplicate_rate": summary["exact_duplicate_rate"],
-            "training_copies": read_json(copies) if copies.is_file() else None,
             "throughput": summary.get("throughput_this_session")}
 
 

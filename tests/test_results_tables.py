@@ -249,3 +249,27 @@ def test_distill_entries_come_from_the_chain_folder_and_committed_ones_are_kept(
     assert collect.collect(runs, out)["distill"] == committed
     text = tables.render({"distill": committed})
     assert "| teacher, DP-SGD | m | 2 | 0.0001 | 30 | 64 | 1.0 |" in text and "| zero-shot student | running |" in text
+
+
+def _fake_synthetic(folder: Path, summary_status: str) -> None:
+    folder.mkdir(parents=True)
+    files = {"provenance.json": {"privacy": {"epsilon": 2.1}, "code_distribution": {}, "generation": {}},
+             "summary.json": {"n": 4, "splits": {"train": 3, "validation": 1}, "code_coverage": {"per_code": {}},
+                              "length_tokens": {}, "exact_duplicate_rate": 0.0},
+             "training_copies_not_private.json": {"count": 1, "rate": 0.25}}
+    for name, data in files.items():
+        (folder / name).write_text(json.dumps(data))
+    statuses = {"provenance.json": "covered", "summary.json": summary_status,
+                "training_copies_not_private.json": "not_covered"}
+    (folder / "release.json").write_text(json.dumps({"files": [{"path": p, "status": s} for p, s in statuses.items()]}))
+
+
+def test_the_synthetic_entry_publishes_nothing_the_release_registry_calls_not_covered(tmp_path):
+    import collect_distill  # collect_results put benchmarks/ on the path
+
+    _fake_synthetic(tmp_path / "covered", "covered")
+    entry = collect_distill.synthetic_entry(tmp_path / "covered")
+    assert entry["n"] == 4 and "training_copies" not in entry and "per_code" not in entry["code_coverage"]
+    _fake_synthetic(tmp_path / "exact", "not_covered")  # synth --codes exact
+    with pytest.raises(SystemExit, match="summary.json not covered"):
+        collect_distill.synthetic_entry(tmp_path / "exact")
