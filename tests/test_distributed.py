@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from two_ranks import check_fails_on_rank_1, run_process_group, run_two_ranks, torchrun_failure
+from two_ranks import FAILURES, fails_on_rank_1, run_process_group, run_two_ranks, torchrun_failure
 
 N, C = 12, 1.0
 MODES = ("bookkeeping", "ghost", "per_sample")
@@ -115,8 +115,8 @@ def edp_noise_steps(ctx=None):
     return {"moves": moves, "recorded": recorded, "slots": engine.slots}
 
 
-def refused_on_one_rank(ctx, mode: str) -> dict:
-    """Rank 1's per-step check fails on its first micro-batch (forced; the data that breaks it is on one rank only):
+def refused_on_one_rank(ctx, mode: str, failure: str) -> dict:
+    """Rank 1's check fails on its first micro-batch (forced; the data or hook that breaks it is on one rank only):
     both ranks go on to the step and both refuse it there, with nothing applied; the next step trains again."""
     from dptext.errors import UserError
     from dptext.privacy import PrivacyEngine
@@ -127,7 +127,7 @@ def refused_on_one_rank(ctx, mode: str) -> dict:
     x, y = data()
     mine = ctx.shard(N)
     before = [p.detach().clone() for p in model.parameters()]
-    with check_fails_on_rank_1(ctx.rank):
+    with fails_on_rank_1(failure, ctx.rank, model):
         engine.accumulate(losses(model, x[mine[:3]], y[mine[:3]]))  # rank 1 refuses: nothing raised yet
     engine.zero_grad()  # a caller dropping the batch does not drop the refusal: it still surfaces at the step
     engine.accumulate(losses(model, x[mine[3:]], y[mine[3:]]))  # passes, but joins no refused batch
@@ -167,7 +167,8 @@ def worker(out: Path) -> None:
         "edp_noise": edp_noise_steps(ctx),
         "non_private": [p.grad for p in model.parameters()],
         "shard": mine,
-        "refused": {mode: refused_on_one_rank(ctx, mode) for mode in ("bookkeeping", "ghost")},
+        "refused": {(mode, failure): refused_on_one_rank(ctx, mode, failure)
+                    for mode in ("bookkeeping", "ghost") for failure in FAILURES},
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -251,10 +252,11 @@ def test_edp_noise_is_added_in_the_scaled_space_and_decays(two_ranks):
     assert results[0]["recorded"] == pytest.approx([z0 / 2, z0 / 4], rel=1e-12)  # σ_t = z_t / 2 in the ledger
 
 
+@pytest.mark.parametrize("failure", FAILURES)
 @pytest.mark.parametrize("mode", ("bookkeeping", "ghost"))
-def test_a_check_failed_on_one_rank_stops_every_rank_at_the_step_with_nothing_applied(two_ranks, mode):
-    mine, other = two_ranks[1]["refused"][mode], two_ranks[0]["refused"][mode]
-    assert "per-step privacy check failed" in mine["refusal"] and "forced on rank 1" in mine["refusal"]
+def test_a_check_failed_on_one_rank_stops_every_rank_at_the_step_with_nothing_applied(two_ranks, mode, failure):
+    mine, other = two_ranks[1]["refused"][mode, failure], two_ranks[0]["refused"][mode, failure]
+    assert FAILURES[failure] in mine["refusal"]
     assert other["refusal"].startswith("Another process's per-step privacy check failed")
     for rank in (mine, other):
         assert rank["unchanged"] and rank["next_step_moved"]

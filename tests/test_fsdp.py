@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 from fsdp_models import N, VOCAB, FunctionalHead, full, losses, shard, tiny_lm, token_ids
-from two_ranks import check_fails_on_rank_1, run_two_ranks
+from two_ranks import FAILURES, fails_on_rank_1, run_two_ranks
 
 C = 0.5
 CASES = (("bookkeeping", "all_layer"), ("ghost", "all_layer"), ("per_sample", "all_layer"),
@@ -163,8 +163,9 @@ def sync_settings_kept(ctx) -> list:
             for group in module._get_fsdp_state()._fsdp_param_groups]
 
 
-def refused_on_one_rank(ctx, mode: str) -> dict:
-    """Rank 1's per-step check fails (forced) on its micro-batch: both ranks refuse at the step, nothing applied."""
+def refused_on_one_rank(ctx, mode: str, failure: str) -> dict:
+    """Rank 1's check fails (forced) on its micro-batch: both ranks refuse at the step, nothing applied (ghost: the
+    refusing rank still joins the second pass's reduce-scatter, or the other rank would wait in it for ever)."""
     from dptext.errors import UserError
     from dptext.privacy import PrivacyEngine
 
@@ -173,7 +174,7 @@ def refused_on_one_rank(ctx, mode: str) -> dict:
                            max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode,
                            distributed=ctx)
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
-    with check_fails_on_rank_1(ctx.rank):
+    with fails_on_rank_1(failure, ctx.rank, model):
         engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
     try:
         engine.step()
@@ -221,7 +222,8 @@ def worker(out: Path) -> None:
         "bytes": adam_bytes(ctx),
         "ghost": ghost_collectives(ctx),
         "outside_read": outside_read_refusal(ctx),
-        "refused": {mode: refused_on_one_rank(ctx, mode) for mode in ("bookkeeping", "ghost")},
+        "refused": {(mode, failure): refused_on_one_rank(ctx, mode, failure)
+                    for mode in ("bookkeeping", "ghost") for failure in FAILURES},
         "sync_kept": sync_settings_kept(ctx),
         "non_private": non_private_mean(ctx, mine),
         "uneven": {mode: uneven_update(ctx, mode) for mode in ("bookkeeping", "ghost")},
@@ -334,10 +336,11 @@ def test_ghost_puts_a_callers_sync_settings_back_after_its_norm_pass(two_ranks):
         assert rank["sync_kept"] and all(setting == (True, False) for setting in rank["sync_kept"])
 
 
+@pytest.mark.parametrize("failure", FAILURES)
 @pytest.mark.parametrize("mode", ("bookkeeping", "ghost"))
-def test_a_check_failed_on_one_rank_stops_every_sharded_rank_at_the_step(two_ranks, mode):
-    mine, other = two_ranks[1]["refused"][mode], two_ranks[0]["refused"][mode]
-    assert "forced on rank 1" in mine["refusal"]
+def test_a_check_failed_on_one_rank_stops_every_sharded_rank_at_the_step(two_ranks, mode, failure):
+    mine, other = two_ranks[1]["refused"][mode, failure], two_ranks[0]["refused"][mode, failure]
+    assert FAILURES[failure] in mine["refusal"]
     assert other["refusal"].startswith("Another process's per-step privacy check failed")
     assert mine["unchanged"] and other["unchanged"]
 

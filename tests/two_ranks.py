@@ -28,6 +28,29 @@ def check_fails_on_rank_1(rank: int):
         step_checks.clipping.check_clipped_sums = real
 
 
+@contextmanager
+def hook_added_on_rank_1(rank: int, model):
+    """A forward hook added to the first linear layer on rank 1 only, after the engine planned (a debugging hook on
+    one process): that rank's use check fails, the other rank's passes."""
+    handle = None
+    if rank == 1:
+        layer = next(module for module in model.modules() if isinstance(module, torch.nn.Linear))
+        handle = layer.register_forward_hook(lambda module, args, output: None)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+FAILURES = {"invariant": "forced on rank 1", "hook": "Forward hooks of layer"}  # a failure -> its words
+
+
+def fails_on_rank_1(failure: str, rank: int, model):
+    """Rank 1's check of one micro-batch fails: the per-step invariant, or the check of its recorded uses."""
+    return check_fails_on_rank_1(rank) if failure == "invariant" else hook_added_on_rank_1(rank, model)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -54,6 +54,8 @@ def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = No
     """Book-keeping and per_sample, after the one backward pass: returns the (B,) per-example norms (with
     ``units``, the per-unit norms)."""
     uses = checked_uses(engine, per_example_loss)
+    if uses is None:  # refused on this rank (several processes): raised on every rank at the step
+        return refused_norms(per_example_loss, units)
     count = units_of_rows(uses, units)
     with exact_arithmetic(engine):
         if engine.clipping_mode == "bookkeeping":
@@ -69,6 +71,13 @@ def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = No
             sums = clipping.clipped_sums_from_per_example(grads, coef)
         add_checked(engine, sums, norms_sq, norms, count)
     return norms
+
+
+def refused_norms(per_example_loss: Tensor, units: UnitIndex | None) -> Tensor:
+    """What ``accumulate`` returns for a micro-batch refused on this rank: zeros (no norm was computed; NaN would
+    trip a caller's own finiteness check on this rank alone)."""
+    count = units.count if units is not None else per_example_loss.numel()
+    return torch.zeros(count, device=per_example_loss.device)
 
 
 def add_checked(engine, sums, norms_sq, norms, units: int) -> None:
@@ -92,6 +101,10 @@ def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = N
                         "the parameter.")
     _norm_pass(engine, per_example_loss)
     uses = checked_uses(engine, per_example_loss)
+    if uses is None:  # refused on this rank: under FSDP2 it still joins pass 2's reduce-scatter, adding nothing
+        if _sharded(engine):
+            engine.dp_optimizer.add_reduced(_sum_pass(engine, per_example_loss * 0), 0)
+        return refused_norms(per_example_loss, units)
     count = units_of_rows(uses, units)
     with exact_arithmetic(engine):
         norms_sq = clipping.norm_sq_per_parameter(uses, units)

@@ -14,32 +14,47 @@ from dptext.errors import UserError
 from dptext.privacy import clipping
 
 
-def checked_uses(engine, per_example_loss: Tensor) -> list:
-    """The uses recorded for ``per_example_loss``'s forward pass, each one checked (see the module docstring)."""
+def checked_uses(engine, per_example_loss: Tensor) -> list | None:
+    """The uses recorded for ``per_example_loss``'s forward pass, each one checked (see the module docstring).
+
+    One process raises a failed check at once. With several, a failed check refuses the logical batch and returns
+    None: the caller goes on through the micro-batch's collectives (ghost's second pass under FSDP2) adding nothing,
+    and every rank raises it at the step. A check that fails on one rank only (a hook added on rank 0 alone, rows
+    that stop being examples for one rank's data) would otherwise leave the other ranks waiting for ever."""
+    uses = engine.recorder.take_uses()
+    error = _untrusted(engine, uses, per_example_loss)
+    if error is None:
+        return uses
+    if engine.dp_optimizer.any_rank is not None and not engine.recorder.probing:  # probe batches: same everywhere
+        engine.dp_optimizer.refuse(error)
+        return None
+    raise error
+
+
+def _untrusted(engine, uses: list, per_example_loss: Tensor) -> UserError | None:
     recorder = engine.recorder
-    uses = recorder.take_uses()
     if not uses:
-        raise UserError("No trainable layer received a gradient; was the model called with the engine's hooks "
-                        "(not under torch.no_grad) before this step?")
+        return UserError("No trainable layer received a gradient; was the model called with the engine's hooks "
+                         "(not under torch.no_grad) before this step?")
     for use in uses:
         name = engine.names.get(use.module, type(use.module).__name__)
         if use.problem:
-            raise UserError(f"Layer '{name}' ({type(use.module).__name__}) cannot be clipped exactly: "
-                            f"{use.problem}; freeze it, train it through LoRA, or change the model.")
+            return UserError(f"Layer '{name}' ({type(use.module).__name__}) cannot be clipped exactly: "
+                             f"{use.problem}; freeze it, train it through LoRA, or change the model.")
         if not recorder.probing and recorder.hooks_changed(use.module):
-            raise UserError(f"Forward hooks of layer '{name}' changed after the privacy engine planned its "
-                            "clipping; call engine.replan() (it re-runs the probe) after adding hooks.")
+            return UserError(f"Forward hooks of layer '{name}' changed after the privacy engine planned its "
+                             "clipping; call engine.replan() (it re-runs the probe) after adding hooks.")
         if use.module in engine.unproven and use.module not in recorder.verified and not recorder.probing:
-            raise UserError(f"Layer '{name}' ({type(use.module).__name__}) needs the start-up probe because "
-                            f"{engine.unproven[use.module]}; run engine.verify() (privacy.verify) or freeze it.")
+            return UserError(f"Layer '{name}' ({type(use.module).__name__}) needs the start-up probe because "
+                             f"{engine.unproven[use.module]}; run engine.verify() (privacy.verify) or freeze it.")
     wrong = [use for use in uses if use.batch_size != len(per_example_loss)]
     if wrong:
         layer = recorder.names.get(wrong[0].module, type(wrong[0].module).__name__)
-        raise UserError(f"Layer '{layer}' ({type(wrong[0].module).__name__}) saw {wrong[0].batch_size} rows but "
-                        f"the loss has {len(per_example_loss)} examples, so its rows are not examples (tokens "
-                        "gathered or flattened across the batch, or a second forward pass); freeze it, or run "
-                        "one forward pass per accumulate/step call.")
-    return uses
+        return UserError(f"Layer '{layer}' ({type(wrong[0].module).__name__}) saw {wrong[0].batch_size} rows but "
+                         f"the loss has {len(per_example_loss)} examples, so its rows are not examples (tokens "
+                         "gathered or flattened across the batch, or a second forward pass); freeze it, or run "
+                         "one forward pass per accumulate/step call.")
+    return None
 
 
 def check_invariant(engine, sums, norms: Tensor, units: int) -> None:
