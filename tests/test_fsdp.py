@@ -145,6 +145,43 @@ def ghost_collectives(ctx) -> dict:
     return {"scatters": len(calls), "left": left, "refusal": refusal, "detached": detached}
 
 
+def ghost_reduction_guarded(ctx) -> dict:
+    """One ghost engine per FSDP2 model (a second one is refused before it attaches anything; allowed again after
+    detach), and a reduction changed by hand after the engine set the plain sum stops the next micro-batch."""
+    from dptext.errors import UserError
+    from dptext.privacy import PrivacyEngine
+    from dptext.privacy.fsdp_controls import fsdp_modules
+
+    model = shard(tiny_lm(), ctx)
+
+    def ghost_engine():
+        return PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                             max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
+                             distributed=ctx)
+
+    def refusal(action) -> str:
+        try:
+            action()
+        except UserError as error:
+            return str(error)
+        return ""
+
+    def hooks() -> int:
+        return sum(len(module._forward_hooks) for module in model.modules())
+
+    first = ghost_engine()
+    before = hooks()
+    second = refusal(ghost_engine)
+    hooks_unchanged = hooks() == before
+    first.detach()
+    engines = []
+    after_detach = refusal(lambda: engines.append(ghost_engine()))
+    for module in fsdp_modules(model):
+        module.set_gradient_divide_factor(float(ctx.world_size))  # the mean again, by hand
+    changed = refusal(lambda: engines[0].accumulate(losses(model, token_ids()[ctx.shard(N)])))
+    return {"second": second, "hooks_unchanged": hooks_unchanged, "changed": changed, "after_detach": after_detach}
+
+
 def sync_settings_kept(ctx) -> list:
     """A caller's own FSDP2 sync setting (all-reduce off, as HSDP's gradient accumulation sets it) survives a ghost
     micro-batch, whose norm pass turns gradient sync off and then back to what it was, not simply on."""
@@ -225,6 +262,7 @@ def worker(out: Path) -> None:
         "refused": {(mode, failure): refused_on_one_rank(ctx, mode, failure)
                     for mode in ("bookkeeping", "ghost") for failure in FAILURES},
         "sync_kept": sync_settings_kept(ctx),
+        "guarded": ghost_reduction_guarded(ctx),
         "non_private": non_private_mean(ctx, mine),
         "uneven": {mode: uneven_update(ctx, mode) for mode in ("bookkeeping", "ghost")},
     }
@@ -334,6 +372,14 @@ def test_ghost_bound_is_checked_over_every_ranks_rows(two_ranks):
 def test_ghost_puts_a_callers_sync_settings_back_after_its_norm_pass(two_ranks):
     for rank in two_ranks:
         assert rank["sync_kept"] and all(setting == (True, False) for setting in rank["sync_kept"])
+
+
+def test_one_ghost_engine_per_fsdp2_model_and_its_summed_reduction_is_checked_at_every_micro_batch(two_ranks):
+    for rank in two_ranks:
+        guarded = rank["guarded"]
+        assert "already has a ghost-clipping privacy engine" in guarded["second"] and guarded["hooks_unchanged"]
+        assert "gradient reduction on this model was changed" in guarded["changed"]
+        assert guarded["after_detach"] == ""
 
 
 @pytest.mark.parametrize("failure", FAILURES)

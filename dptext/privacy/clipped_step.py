@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dptext.errors import UserError
 from dptext.privacy import clipping
-from dptext.privacy.fsdp_controls import gradient_sync_off, local_grads
+from dptext.privacy.fsdp_controls import check_still_summing, gradient_sync_off, local_grads
 from dptext.privacy.step_checks import check_invariant, checked_uses
 from dptext.privacy.units import UnitIndex, unit_gradients_instantiated
 
@@ -89,6 +89,8 @@ def add_checked(engine, sums, norms_sq, norms, units: int) -> None:
 
 def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = None) -> Tensor:
     """Ghost clipping's two passes; returns the (B,) per-example norms (with ``units``, the per-unit norms)."""
+    if _sharded(engine):
+        check_still_summing(engine.model)
     param = engine.outside_reads.outside_read(per_example_loss)
     engine.outside_reads.clear()
     if param is not None:

@@ -45,7 +45,7 @@ from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names,
                                  find_tracked_modules, unproven_rules)
 from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
-from dptext.privacy.fsdp_controls import whole_weights
+from dptext.privacy.fsdp_controls import check_no_other_ghost_engine, whole_weights
 from dptext.privacy.sharded import noise_site, sharded_optimizer
 from dptext.privacy.step_checks import check_trainable_set, parameter_names
 from dptext.privacy.units import LogicalBatchUnits, unit_index
@@ -111,6 +111,8 @@ class PrivacyEngine:
         self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
         self._probe_args: tuple = ()
         self._learned_layouts: dict = {}  # FunctionalRule per layer: what the probe learned survives replan()
+        if self.distributed is not None and self.distributed.sharded and clipping_mode == "ghost":
+            check_no_other_ghost_engine(model)  # before any hook is attached
         self._plan()
         if self.distributed is not None and self.distributed.sharded:  # FSDP2: each rank noises its own rows
             self.dp_optimizer = sharded_optimizer(self, optimizer, secure_rng)

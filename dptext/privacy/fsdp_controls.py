@@ -48,18 +48,48 @@ def kept_settings(model: nn.Module, names: tuple[str, ...]):
     return restore
 
 
+GHOST_ENGINE = "_dptext_ghost_sum"  # set on an FSDP2 model while a ghost engine's summed reduction is in force
+
+
+def check_no_other_ghost_engine(model: nn.Module) -> None:
+    """One ghost engine per FSDP2 model: each saves the reduction it found and puts it back on detach, so a second
+    one would save the first one's sum, and detaching them out of order would leave one averaging (its clipped
+    sums divided by the ranks) or the model summing after every engine is gone."""
+    if getattr(model, GHOST_ENGINE, False):
+        raise UserError("This FSDP2 model already has a ghost-clipping privacy engine; call that engine's detach() "
+                        "before building another on the same model.")
+
+
 def sum_in_backward(model: nn.Module):
     """FSDP2's reduce-scatter as ghost clipping's second pass needs it: a plain sum over the ranks (not the mean,
     and SUM rather than a pre-multiplied sum, which gloo lacks), and every trainable parameter sent even when a
     rank's pass gave it no gradient, so that all ranks reduce-scatter the same layout. Returns the function that
     puts FSDP2's own settings back (``engine.detach``: training on without DP must average again)."""
     check_ghost_supported()
+    check_no_other_ghost_engine(model)
     restore = kept_settings(model, REDUCTION)
     for module in fsdp_modules(model):
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
         module.set_reduce_scatter_unused_params(True, recurse=False)
-    return restore
+    setattr(model, GHOST_ENGINE, True)
+
+    def release() -> None:
+        restore()
+        setattr(model, GHOST_ENGINE, False)
+    return release
+
+
+def check_still_summing(model: nn.Module) -> None:
+    """Before each ghost micro-batch: the reduction is still the plain sum ``sum_in_backward`` set. Changed since
+    (``set_gradient_divide_factor`` by hand), the second pass would hand back the ranks' mean, silently wrong
+    sums; the setting is the same on every rank, so every rank raises here together, before any collective."""
+    for module in fsdp_modules(model):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            if group.gradient_divide_factor != 1.0 or not group.force_sum_reduction_for_comms:
+                raise UserError("FSDP2's gradient reduction on this model was changed after the privacy engine set "
+                                "it to a plain sum, so ghost clipping's sums would be averaged over the ranks; leave "
+                                "the reduction settings alone while the engine is attached (detach() it first).")
 
 
 @contextmanager
