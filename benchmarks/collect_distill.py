@@ -67,11 +67,15 @@ def synthetic_entry(folder: Path) -> dict | None:
     texts without noise, and a committed result file is published (README, "What a run writes")."""
     if not (folder / "provenance.json").is_file():
         return None
+    if not (folder / "release.json").is_file():
+        raise SystemExit(f"{folder} has no release.json, so what may be published from it is unknown; re-run synth "
+                         "with this dptext (it writes one) before collecting.")
     status = {f["path"]: f["status"] for f in read_json(folder / "release.json")["files"]}
-    hidden = [name for name in ("provenance.json", "summary.json") if status.get(name) == "not_covered"]
+    # fail closed: a file the registry does not list as covered or public (absent included) is not published
+    hidden = [name for name in ("provenance.json", "summary.json") if status.get(name) not in ("covered", "public")]
     if hidden:  # e.g. synth --codes exact: the code histogram is the private data's own
-        raise SystemExit(f"{folder}: {', '.join(hidden)} not covered by ε (release.json), so not collected into a "
-                         "published result; re-run synth without the flag that took it out of the guarantee.")
+        raise SystemExit(f"{folder}: {', '.join(hidden)} not covered by ε or public (release.json), so not collected "
+                         "into a published result; re-run synth without the flag that took it out of the guarantee.")
     provenance, summary = read_json(folder / "provenance.json"), read_json(folder / "summary.json")
     return {"run": folder.name, "n": summary["n"], "splits": summary["splits"], "privacy": provenance["privacy"],
             "code_distribution": provenance["code_distribution"], "generation": provenance["generation"],

@@ -147,9 +147,11 @@ def ghost_collectives(ctx) -> dict:
 
 def ghost_reduction_guarded(ctx) -> dict:
     """One ghost engine per FSDP2 model (a second one is refused before it attaches anything; allowed again after
-    detach), and a reduction changed by hand after the engine set the plain sum stops the next micro-batch."""
+    detach), and a reduction changed by hand after the engine set the plain sum stops the next micro-batch on every
+    rank, a rank with an empty micro-batch included."""
     from dptext.errors import UserError
     from dptext.privacy import PrivacyEngine
+    from dptext.privacy.clipped_step import ghost_join
     from dptext.privacy.fsdp_controls import fsdp_modules
 
     model = shard(tiny_lm(), ctx)
@@ -178,7 +180,10 @@ def ghost_reduction_guarded(ctx) -> dict:
     after_detach = refusal(lambda: engines.append(ghost_engine()))
     for module in fsdp_modules(model):
         module.set_gradient_divide_factor(float(ctx.world_size))  # the mean again, by hand
-    changed = refusal(lambda: engines[0].accumulate(losses(model, token_ids()[ctx.shard(N)])))
+    if ctx.rank == 0:
+        changed = refusal(lambda: engines[0].accumulate(losses(model, token_ids()[ctx.shard(N)])))
+    else:  # an empty micro-batch on this rank (ghost_join) must refuse too, not wait in the second pass
+        changed = refusal(lambda: ghost_join(engines[0], losses(model, token_ids()[:2])))
     return {"second": second, "hooks_unchanged": hooks_unchanged, "changed": changed, "after_detach": after_detach}
 
 

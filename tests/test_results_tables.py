@@ -273,3 +273,12 @@ def test_the_synthetic_entry_publishes_nothing_the_release_registry_calls_not_co
     _fake_synthetic(tmp_path / "exact", "not_covered")  # synth --codes exact
     with pytest.raises(SystemExit, match="summary.json not covered"):
         collect_distill.synthetic_entry(tmp_path / "exact")
+    _fake_synthetic(tmp_path / "unlisted", "covered")  # a registry that does not list it counts as not covered
+    release = json.loads((tmp_path / "unlisted" / "release.json").read_text())
+    release["files"] = [f for f in release["files"] if f["path"] != "summary.json"]
+    (tmp_path / "unlisted" / "release.json").write_text(json.dumps(release))
+    with pytest.raises(SystemExit, match="summary.json not covered"):
+        collect_distill.synthetic_entry(tmp_path / "unlisted")
+    (tmp_path / "unlisted" / "release.json").unlink()
+    with pytest.raises(SystemExit, match="has no release.json"):
+        collect_distill.synthetic_entry(tmp_path / "unlisted")

@@ -90,7 +90,7 @@ def add_checked(engine, sums, norms_sq, norms, units: int) -> None:
 def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = None) -> Tensor:
     """Ghost clipping's two passes; returns the (B,) per-example norms (with ``units``, the per-unit norms)."""
     if _sharded(engine):
-        check_still_summing(engine.model)
+        _check_summing(engine)
     param = engine.outside_reads.outside_read(per_example_loss)
     engine.outside_reads.clear()
     if param is not None:
@@ -133,12 +133,23 @@ def ghost_join(engine, per_example_loss: Tensor) -> None:
     """FSDP2, a rank with no examples in this micro-batch: ghost clipping's two passes on ``per_example_loss``
     (a synthetic batch's) times 0, so that it joins the other ranks' all-gathers and reduce-scatters; it adds
     nothing, and keeps its rows of the others' clipped sums, which the reduce-scatter hands it."""
+    _check_summing(engine)  # as ghost_backward does on the ranks with examples: all raise together
     zero = per_example_loss * 0
     _norm_pass(engine, zero)
     for use in engine.recorder.take_uses():  # dropped unused (the retained graph would keep their tensors alive)
         use.release()
     engine.outside_reads.clear()
     engine.dp_optimizer.add_reduced(_sum_pass(engine, zero), 0)
+
+
+def _check_summing(engine) -> None:
+    """FSDP2 still sums (``fsdp_controls.check_still_summing``); refused, the forward's records are dropped."""
+    try:
+        check_still_summing(engine.model)
+    except UserError:
+        engine.recorder.take_uses()
+        engine.outside_reads.clear()
+        raise
 
 
 def _sharded(engine) -> bool:

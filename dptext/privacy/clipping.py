@@ -135,7 +135,10 @@ def check_clipped_sums(sums: dict[nn.Parameter, Tensor], norms: Tensor, units: i
                        layout: str, num_groups: int) -> tuple[nn.Parameter | None, str] | None:
     """The per-step invariant (issue 23): per-example norms finite, and the clipped sum of ``units`` units within
     units·C (per-layer layout: each parameter within units·C/√P). Returns (parameter, why) on a violation; the
-    parameter is None where the failed property belongs to no one parameter (all-layer budget, the norms).
+    parameter is None where the failed property belongs to no one parameter (all-layer budget, the norms). Where
+    it is one parameter's own (its per-layer budget, its sum not finite) the name stays: it points at the layer
+    whose rule is wrong. Which layer that is can depend on the batch, a few bits in an error that ends the run
+    and releases nothing; the message carries no value from the batch.
 
     It runs on private data, so ``why`` names the failed property, never a value from the batch. Triangle
     inequality: ‖Σ_i c_i g_i‖ ≤ Σ_i ‖c_i g_i‖ ≤ units·C whatever the data, so a violation is an engine

@@ -81,14 +81,16 @@ def sum_in_backward(model: nn.Module):
 
 
 def check_still_summing(model: nn.Module) -> None:
-    """Before each ghost micro-batch: the reduction is still the plain sum ``sum_in_backward`` set. Changed since
-    (``set_gradient_divide_factor`` by hand), the second pass would hand back the ranks' mean, silently wrong
-    sums; the setting is the same on every rank, so every rank raises here together, before any collective."""
+    """Before each ghost micro-batch, one with examples or an empty one (``ghost_join``): the reduction is still
+    what ``sum_in_backward`` set. Changed since (``set_gradient_divide_factor`` by hand), the second pass would hand
+    back the ranks' mean, silently wrong sums (or, unused parameters no longer sent, layouts that differ between
+    ranks); the settings are the same on every rank, so every rank raises here together, before any collective."""
     for module in fsdp_modules(model):
         for group in module._get_fsdp_state()._fsdp_param_groups:
-            if group.gradient_divide_factor != 1.0 or not group.force_sum_reduction_for_comms:
+            if (group.gradient_divide_factor != 1.0 or not group.force_sum_reduction_for_comms
+                    or not group.reduce_scatter_unused_params):
                 raise UserError("FSDP2's gradient reduction on this model was changed after the privacy engine set "
-                                "it to a plain sum, so ghost clipping's sums would be averaged over the ranks; leave "
+                                "it to a plain sum of every parameter, so ghost clipping's sums would be wrong; leave "
                                 "the reduction settings alone while the engine is attached (detach() it first).")
 
 

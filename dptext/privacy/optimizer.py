@@ -28,8 +28,8 @@ from dptext.privacy.parallel_noise import normals
 from dptext.privacy.randomness import RandomRoot
 from dptext.errors import UserError
 
-OTHER_RANK_REFUSED = ("Another process's per-step privacy check failed in this logical batch (its own error names the "
-                      "parameter); nothing from this batch was applied on any process.")
+OTHER_RANK_REFUSED = ("Another process's per-step privacy check failed in this logical batch (its own error says "
+                      "which check and where); nothing from this batch was applied on any process.")
 
 
 NOISE_GROUP = 1 << 22  # coordinates whose noise is drawn together: 16 MB of fp32, 4 chunks for the pool
