@@ -323,6 +323,36 @@ class ScaledLinearRule:
         return {k: 50 * v for k, v in self.inner.clipped_sum(*args).items()}
 
 
+class HalvedSumRule(ScaledLinearRule):
+    """Wrong sums within every bound (half the true clipped sum): only the probe's comparison can catch it."""
+
+    def clipped_sum(self, *args):
+        return {k: 0.5 * v for k, v in self.inner.clipped_sum(*args).items()}
+
+
+class QuadrupledNormRule(ScaledLinearRule):
+    """Wrong per-example norms (4× the squared norm, so over-clipping): caught as a norm, before the sums."""
+
+    def clipped_sum(self, *args):
+        return self.inner.clipped_sum(*args)
+
+    def norm_sq(self, *args):
+        return {k: 4 * v for k, v in self.inner.norm_sq(*args).items()}
+
+
+@pytest.mark.parametrize("layout", ["all_layer", "per_layer"])
+@pytest.mark.parametrize("wrong, words", [(HalvedSumRule, "its clipped sums differ"),
+                                          (QuadrupledNormRule, "its per-example gradient norms differ")])
+def test_the_probe_compares_norms_and_clipped_sums_with_brute_force(layout, wrong, words):
+    model = Tiny()
+    engine, _ = make_engine(model, "bookkeeping", layout)
+    rule, names = engine.tracked[model.fc]
+    engine.tracked[model.fc] = (wrong(rule), names)
+    engine.recorder.tracked = engine.tracked
+    with pytest.raises(UserError, match=f"'fc'.*{words}"):
+        engine.verify()
+
+
 @pytest.mark.parametrize("layout", ["all_layer", "per_layer"])
 def test_the_per_step_invariant_stops_a_wrong_clipped_sum_and_writes_nothing(layout):
     model = Tiny()

@@ -55,29 +55,64 @@ class ReferenceFailed(RuntimeError):
     The probe retries in the model's own dtype, then refuses."""
 
 
-def reference_gradients(engine, batch, loss_fn, device) -> tuple[Tensor, list[list[Tensor]]]:
-    """The loss vector and each example's gradient of every planned parameter, by its own autograd pass."""
-    params = engine.params
+@contextmanager
+def requiring_grad(params: list[nn.Parameter]):
+    """Every planned parameter requires grad inside (book-keeping keeps them out of autograd), as it was after."""
     was = [p.requires_grad for p in params]
     try:
         for param in params:
             param.requires_grad_(True)
-        with engine.recorder.paused(), same_randomness(device):
-            loss = loss_fn(engine.model, batch)
-        grads = []
-        for i in range(len(loss) if loss.ndim == 1 else 0):
-            row = torch.autograd.grad(loss[i], params, retain_graph=True, allow_unused=True)
-            grads.append([torch.zeros_like(p) if g is None else g.detach() for g, p in zip(row, params)])
-        if not bool(torch.isfinite(loss).all()) or any(not bool(torch.isfinite(g).all()) for r in grads for g in r):
+        yield
+    finally:
+        for param, flag in zip(params, was):
+            param.requires_grad_(flag)
+
+
+class Reference:
+    """Plain per-example autograd without the engine's hooks, for one probe batch: the loss, each example's squared
+    gradient norm per planned parameter, and Σ_i c_i·g_i (fp64) with the engine's C and layout. A coefficient
+    needs only its own example's norms, so each example's gradient is folded into the sums as soon as it is taken
+    and dropped: holding all of them (B model-sized fp64 copies) made the probe's peak 18 fp32 model sizes on a
+    small Llama, 10 without (``benchmarks/probe_memory.py``)."""
+
+    def __init__(self, engine, batch, loss_fn, device):
+        params = engine.params
+        squares: list[dict[nn.Parameter, Tensor]] = []
+        self.sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        with requiring_grad(params):
+            with engine.recorder.paused(), same_randomness(device):
+                loss = loss_fn(engine.model, batch)
+            self.loss = loss.detach()
+            for i in range(len(loss) if loss.ndim == 1 else 0):
+                row = _example_gradient(loss[i], params)
+                norms = {p: g.double().pow(2).sum().reshape(1) for g, p in zip(row, params)}
+                coef, _ = clipping.clip_coefficients(norms, engine.max_grad_norm, engine.clipping_layout,
+                                                     len(params))
+                for total, g, p in zip(self.sums, row, params):
+                    total.add_(g.double(), alpha=float(coef[p]))
+                squares.append(norms)
+        self.norms_sq = {p: torch.cat([each[p] for each in squares]) if squares else None for p in params}
+        if not bool(torch.isfinite(self.loss).all()):
             raise ReferenceFailed("non-finite losses or gradients")
-        return loss.detach(), grads
+
+
+def _example_gradient(example_loss: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
+    """One example's gradient of every planned parameter (zeros where it has none), from the retained graph."""
+    row = torch.autograd.grad(example_loss, params, retain_graph=True, allow_unused=True)
+    row = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(row, params)]
+    if any(not bool(torch.isfinite(g).all()) for g in row):
+        raise ReferenceFailed("non-finite losses or gradients")
+    return row
+
+
+def reference_gradients(engine, batch, loss_fn, device) -> Reference:
+    """The reference for one probe batch (``Reference``); a failure of plain autograd is ``ReferenceFailed``."""
+    try:
+        return Reference(engine, batch, loss_fn, device)
     except RuntimeError as error:
         if isinstance(error, ReferenceFailed):
             raise
         raise ReferenceFailed(type(error).__name__) from error
-    finally:
-        for param, flag in zip(params, was):
-            param.requires_grad_(flag)
 
 
 def engine_forward(engine, report, batch, loss_fn, device):
@@ -145,11 +180,11 @@ def _owners_of(engine, param) -> list[nn.Module]:
     return [m for m, (_, names) in engine.tracked.items() if any(m.get_parameter(n) is param for n in names)]
 
 
-def compare(engine, report, reference: list[list[Tensor]], norms_sq, sums) -> None:
+def compare(engine, report, reference: Reference, norms_sq, sums) -> None:
     """Per parameter: engine norms and clipped sums against the reference's, clipped with the same C."""
     params = engine.params
-    ref_norms = {p: torch.stack([row[k].double().pow(2).sum() for row in reference]) for k, p in enumerate(params)}
-    coef, totals = clipping.clip_coefficients(ref_norms, engine.max_grad_norm, engine.clipping_layout, len(params))
+    ref_norms = reference.norms_sq
+    _, totals = clipping.clip_coefficients(ref_norms, engine.max_grad_norm, engine.clipping_layout, len(params))
     floor = 1e-8 * float(totals.max()) ** 2 + 1e-30
     # Norms first: one wrong norm changes every coefficient in the all-layer layout, so the clipped sums of
     # innocent layers would differ too; the norm points at the layer to blame.
@@ -163,8 +198,7 @@ def compare(engine, report, reference: list[list[Tensor]], norms_sq, sums) -> No
         elif bool(((got.double() - ref_norms[param]).abs() > RTOL * ref_norms[param] + floor).any()):
             norm_failures.append((param, "its per-example gradient norms" + DIFFER))
     sum_failures = []
-    for k, param in enumerate(params if not norm_failures else []):
-        expected_sum = sum(c * row[k].double() for c, row in zip(coef[param].tolist(), reference))
+    for param, expected_sum in zip(params if not norm_failures else [], reference.sums):
         got_sum = sums.get(param, torch.zeros_like(expected_sum)).double()
         error = float((got_sum - expected_sum).norm())
         if error > RTOL * float(expected_sum.norm()) + 1e-6 * engine.max_grad_norm:
@@ -263,7 +297,8 @@ BUFFER_CHANGED = ("buffer '{}': a training forward changes it (running statistic
 def probe_one(engine, report, batch, loss_fn, device, redraw) -> None:
     """One synthetic batch; ``redraw(j)`` gives it with example j re-drawn (None: one example, nothing to check)."""
     before = buffer_snapshot(engine.model)
-    loss_ref, reference = reference_gradients(engine, batch, loss_fn, device)
+    reference = reference_gradients(engine, batch, loss_fn, device)
+    loss_ref = reference.loss
     changed = changed_buffer(engine.model, before)
     if changed is not None:
         report.state_problem = BUFFER_CHANGED.format(changed)

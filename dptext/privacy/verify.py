@@ -4,8 +4,9 @@ Nothing here touches private data: the probe feeds random token ids within the v
 right padding) — or a task's own synthetic batch (``task.probe_batch``) with the task's loss — so it costs no
 privacy. For each probe shape (B ≠ T, then B = T) it
 1. runs the model without the engine's hooks, with every planned parameter requiring grad, and takes each
-   example's gradient by its own autograd pass (fp64 where the model converts) — the reference; that forward must
-   change no buffer of the model (running statistics would be released without noise);
+   example's gradient by its own autograd pass (fp64 where the model converts) — the reference: its norms, and
+   its clipped sums formed one example at a time (``probe_checks.Reference``); that forward must change no
+   buffer of the model (running statistics would be released without noise);
 2. runs the same forward with the hooks (same dropout masks) and checks, per layer, what would make the rules
    wrong: an output modified in place, rows that are not one example each, a broadcast of a batch-1 input that
    changes the forward, a tracked weight read outside its module (a functional use or a second module);
