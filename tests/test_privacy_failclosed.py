@@ -496,7 +496,9 @@ def test_an_expert_fed_exactly_b_rows_of_other_examples_tokens_is_refused():
     for mode, layout in CASES:
         assert "'fc'" in verify_outcome(Tiny(expert), mode, layout)
         outcome = verify_outcome(Tiny(capacity_router), mode, layout)
-        assert "'fc'" in outcome or "examples interact" in outcome
+        # which check stops it depends on the random weights: the layer's rows, the loss's independence, or (ghost)
+        # the all-layer invariant, whose budget is the whole model's and so names no layer
+        assert "'fc'" in outcome or "examples interact" in outcome or "failed for the model as a whole" in outcome
 
 
 @pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
