@@ -72,8 +72,8 @@ class Reference:
     """Plain per-example autograd without the engine's hooks, for one probe batch: the loss, each example's squared
     gradient norm per planned parameter, and Σ_i c_i·g_i (fp64) with the engine's C and layout. A coefficient
     needs only its own example's norms, so each example's gradient is folded into the sums as soon as it is taken
-    and dropped: holding all of them (B model-sized fp64 copies) made the probe's peak 18 fp32 model sizes on a
-    small Llama, 10 without (``benchmarks/probe_memory.py``)."""
+    and dropped: holding all of them (B model-sized fp64 copies) made the probe's peak 14.8 fp32 model sizes on a
+    random 36M-parameter Llama, 9.2 without (``benchmarks/probe_memory.py``)."""
 
     def __init__(self, engine, batch, loss_fn, device):
         params = engine.params
