@@ -65,8 +65,7 @@ def sum_in_backward(model: nn.Module):
     and SUM rather than a pre-multiplied sum, which gloo lacks), and every trainable parameter sent even when a
     rank's pass gave it no gradient, so that all ranks reduce-scatter the same layout. Returns the function that
     puts FSDP2's own settings back (``engine.detach``: training on without DP must average again)."""
-    check_ghost_supported()
-    check_no_other_ghost_engine(model)
+    check_ghost_supported()  # (the engine ran check_no_other_ghost_engine before attaching its hooks)
     restore = kept_settings(model, REDUCTION)
     for module in fsdp_modules(model):
         module.set_gradient_divide_factor(1.0)

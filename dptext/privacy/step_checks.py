@@ -25,10 +25,19 @@ def checked_uses(engine, per_example_loss: Tensor) -> list | None:
     error = _untrusted(engine, uses, per_example_loss)
     if error is None:
         return uses
-    if engine.dp_optimizer.any_rank is not None and not engine.recorder.probing:  # probe batches: same everywhere
-        engine.dp_optimizer.refuse(error)
+    if deferred_to_the_step(engine, error):
         return None
     raise error
+
+
+def deferred_to_the_step(engine, error: UserError) -> bool:
+    """Several processes, in training: ``error`` refuses the logical batch here and is raised on every rank at the
+    step (``DPOptimizer.refuse``); True. One process, or the probe (its synthetic batches are the same on every
+    rank): False, and the caller raises it at once."""
+    if engine.dp_optimizer.any_rank is None or engine.recorder.probing:
+        return False
+    engine.dp_optimizer.refuse(error)
+    return True
 
 
 def _untrusted(engine, uses: list, per_example_loss: Tensor) -> UserError | None:
@@ -66,8 +75,7 @@ def check_invariant(engine, sums, norms: Tensor, units: int) -> None:
     if problem is not None:
         param, why = problem
         error = invariant_failed(engine.param_names().get(param, "?") if param is not None else None, why)
-        if engine.dp_optimizer.any_rank is not None and not engine.recorder.probing:  # the probe's synthetic
-            engine.dp_optimizer.refuse(error)  # batches are the same on every rank: it raises at once, everywhere
+        if deferred_to_the_step(engine, error):
             return
         engine.dp_optimizer.zero_grad()
         raise error
