@@ -140,6 +140,23 @@ def test_run_directory_reports_its_ledger(capsys, tmp_path):
     assert narrow["upper"] - narrow["lower"] == pytest.approx(0.04, abs=1e-3)
 
 
+def test_a_run_headline_is_an_upper_bound_and_names_what_the_model_carries(capsys, tmp_path):
+    run = RunDir.create(load_recipe(None, ["name=prv"]), out=tmp_path / "run")
+    ledger = PrivacyLedger(dataset_size=50_000, accountant="prv")
+    ledger.record_steps(0.01, 1.0, 1000)
+    run.save_ledger(ledger.to_dict())
+    prv = by_method(account_json(capsys, str(run.path)))["prv"]
+    code, out, err = account(capsys, str(run.path))
+    assert code == 0 and f"ε ≤ {prv['upper']:.4g} " in out and prv["upper"] > prv["epsilon"]
+    assert "carries" not in out + err  # a plain DP-SGD run: the table is the whole story
+    own = {"private": True, "accountant": "prv", "delta": 1e-5,
+           "epsilon": {"prv": {"epsilon": prv["epsilon"], "upper": prv["upper"]}, "rdp": {"epsilon": 9.0}}}
+    teacher = {"epsilon": 1.5, "delta": 1e-5}
+    run.save_result({"privacy": own, "privacy_claim": {"teacher": teacher, "student_epsilon": 1.0}})  # DPKD
+    code, out, err = account(capsys, str(run.path))
+    assert code == 0 and f"carries ε ≤ {1.5 + prv['upper']:.4g}, δ = 2e-05 in all" in " ".join((out + err).split())
+
+
 def test_plot_of_epsilon_against_steps(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     run_dir = _run_with_ledger(tmp_path, 500)

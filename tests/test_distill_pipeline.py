@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,15 @@ def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, t
     assert partial["complete"] is False and partial["records_on_disk"] == 3
     with pytest.raises(UserError):  # other settings cannot continue this folder
         synthesize(teacher, tmp_path / "other", **{**settings, "max_new_tokens": 7})
+    # nor another teacher (the records on disk and the code histogram are the first one's: provenance would name the
+    # second) or other code settings (the release flags would follow them), refused before anything is rewritten
+    on_disk = {p: p.read_bytes() for p in (tmp_path / "other").rglob("*") if p.is_file()}
+    shutil.copytree(teacher, tmp_path / "twin")
+    with pytest.raises(UserError, match="other values of teacher run"):
+        synthesize(tmp_path / "twin", tmp_path / "other", **settings)
+    with pytest.raises(UserError, match="other values of code histogram"):
+        synthesize(teacher, tmp_path / "other", **settings, code_mechanism="exact")
+    assert {p: p.read_bytes() for p in (tmp_path / "other").rglob("*") if p.is_file()} == on_disk
 
 
 def test_teacher_synth_distill_carry_the_privacy_claim(teacher, tmp_path, capsys):
@@ -162,6 +172,12 @@ def test_dpkd_splits_the_budget_and_synthetic_only_is_lambda_zero(teacher, tmp_p
     assert privacy["delta"] == pytest.approx(0.005) and privacy["target_epsilon"] == pytest.approx(2.0 - teacher_eps)
     assert privacy["epsilon"]["rdp"]["epsilon"] == pytest.approx(2.0 - teacher_eps, rel=1e-3)
     assert claim["epsilon"] == 2.0 and claim["delta"] == 0.01
+    # reused as a teacher, the DPKD student hands on what its model carries: its teacher's share and its own
+    carried = teacher_eps + privacy["epsilon"]["rdp"]["epsilon"]
+    synthesize(tmp_path / "dpkd", tmp_path / "from-dpkd", n=4, batch_size=4, max_new_tokens=4, validation_fraction=0)
+    provenance = json.loads((tmp_path / "from-dpkd" / "provenance.json").read_text())
+    assert provenance["teacher"]["epsilon"] == pytest.approx(carried) and carried > 1.9
+    assert provenance["teacher"]["delta"] == pytest.approx(0.01)
 
     with pytest.raises(SystemExit) as code:  # the synthetic-data methods need synthetic data
         main(["distill", str(recipe), "distill.method=synthetic_only", "--out", str(tmp_path / "x")])

@@ -104,6 +104,34 @@ def test_interrupted_run_resumes_to_identical_parameters(shared_data, tmp_path, 
     assert [r["event"] for r in logged if "event" in r] == ["finished"]  # the interrupted invocation wrote none
 
 
+def test_a_resume_after_the_training_data_changed_is_refused(shared_data, tmp_path, interrupt_training, monkeypatch):
+    """n, hence q and δ = 1/(2n), come from the data as it is when the run is (re)built: a resume must not continue
+    the account under other terms."""
+    data = tmp_path / "sst2"
+    data.mkdir()
+    for name, rows in (("train.tsv", 60), ("dev.tsv", 8), ("test.tsv", 8)):
+        lines = (shared_data / "sst2" / name).read_text().splitlines(keepends=True)
+        (data / name).write_text("".join(lines[: rows + 1]))
+    extra = ("data.max_train_examples=null", f"data.path={data}", "train.max_steps=4", "train.checkpoint_every=2")
+    resume_normally = interrupt_training(3)
+    with pytest.raises(KeyboardInterrupt):
+        run_finetune(recipe_for("classification", shared_data, *extra), out=tmp_path / "run")
+    resume_normally()
+    lines = (data / "train.tsv").read_text().splitlines(keepends=True)
+    (data / "train.tsv").write_text("".join(lines[:51]))  # ten training sentences gone
+    with pytest.raises(UserError, match=r"changed since it started \(n 60 -> 50; δ 0.00833 -> 0.01; q 0.2 -> 0.24"):
+        run_finetune(resume=tmp_path / "run")
+    (data / "train.tsv").write_text("".join(lines))  # the data it started with
+    from dptext.finetune import setup
+
+    calibrated = setup.noise_for
+    monkeypatch.setattr(setup, "noise_for", lambda recipe, plan: 1.1 * calibrated(recipe, plan))  # σ re-calibrated
+    with pytest.raises(UserError, match=r"changed since it started \(σ "):
+        run_finetune(resume=tmp_path / "run")
+    monkeypatch.setattr(setup, "noise_for", calibrated)
+    assert run_finetune(resume=tmp_path / "run")["privacy"]["steps"] == 4  # the run goes on
+
+
 def test_non_private_baseline_has_no_ledger(shared_data, tmp_path):
     result = run_finetune(recipe_for("classification", shared_data, "privacy.enabled=false"), out=tmp_path / "run")
     assert not result["privacy"]["private"] and not (tmp_path / "run" / "ledger.json").exists()

@@ -195,6 +195,21 @@ def test_zero_gradient_examples_get_noise_of_the_right_scale():
     assert abs(float(noisy.std()) / (2.0 * 0.5 / 4) - 1) < 4 / math.sqrt(2 * noisy.numel())
 
 
+def test_calibrating_to_a_target_needs_an_accountant_that_bounds():
+    model = nn.Linear(3, 2)
+
+    def engine(accountant: str) -> PrivacyEngine:
+        return PrivacyEngine.from_target_epsilon(model, torch.optim.SGD(model.parameters(), lr=0.1), target_epsilon=3.0,
+                                                 delta=1e-5, steps=100, max_grad_norm=1.0, sample_rate=0.01,
+                                                 dataset_size=1000, accountant=accountant)
+
+    with pytest.raises(UserError, match="approximation"):  # σ from the CLT would not make ε ≤ 3 a guarantee
+        engine("gdp")
+    calibrated = engine("rdp")
+    calibrated.steps = 100  # as if it had taken the planned steps
+    assert calibrated.epsilon(1e-5, "rdp") == pytest.approx(3.0, rel=1e-3) and calibrated.epsilon(1e-5) <= 3.0
+
+
 def test_seeded_noise_repeats_and_secure_noise_does_not():
     def noise(**kwargs):
         model = nn.Linear(5, 5)

@@ -100,7 +100,7 @@ def test_private_shuffle_and_gdp_calibration_are_refused_non_private_shuffle_run
 
 
 def test_pld_accountant_calibrates_and_heads_the_summary(shared_data, tmp_path):
-    from dptext.cli.finetune import headline_epsilon
+    from dptext.accounting.carried import guaranteed_epsilon as headline_epsilon
 
     result = run_finetune(recipe(shared_data, "privacy.accountant=pld", "train.max_steps=2"), out=tmp_path / "a")
     privacy = result["privacy"]

@@ -90,6 +90,15 @@ def test_a_record_outside_the_domain_is_refused_by_position():
     assert "Training record 11" in str(error.value) and "SECRETCAT" not in str(error.value)
 
 
+@pytest.mark.parametrize("ratings", [[1, 2, 4, 4, 5], [1, 2, 4, 4.0, 5], [1, 2, "4", 4, 5]])
+def test_a_value_listed_twice_in_the_domain_is_refused(ratings):
+    """Listed twice, one value is two cells a record counts in: the histogram's sensitivity would be 2, not 1."""
+    with pytest.raises(UserError, match=r"lists rating value\(s\) \['4'\] more than once"):
+        code_distribution(RECORDS, ["category", "rating"], domain={**DOMAIN, "rating": ratings}, seed=0)
+    with pytest.raises(UserError, match="more than once"):
+        code_distribution(RECORDS, ["category", "rating"], domain=parse_domain("category=books,dvd;rating=1,4,04"))
+
+
 def test_basic_composition_adds_epsilon_and_delta():
     dist = code_distribution(RECORDS, ["category", "rating"], "gaussian", epsilon=0.5, delta=1e-6, seed=0,
                              domain=DOMAIN)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dptext.accounting.carried import carried_privacy
 from dptext.accounting.events import resolve_delta
 from dptext.attacks.attack_models import lira_offline, loss_attack, shadow_attack
 from dptext.attacks.audit_records import mia_folder, read_records
@@ -46,9 +47,9 @@ def proven_privacy(target: Any) -> dict[str, Any]:
     privacy = target.result["privacy"]
     if not privacy["private"]:
         return {"private": False, "epsilon": None, "delta": resolve_delta(None, privacy["dataset_size"])[0]}
-    method = privacy["accountant"] if privacy["epsilon"][privacy["accountant"]]["epsilon"] is not None else "rdp"
-    return {"private": True, "epsilon": privacy["epsilon"][method]["epsilon"], "accountant": method,
-            "delta": privacy["delta"]}
+    carried = carried_privacy(target.result)  # the accountant's upper bound, a DPKD teacher's share included
+    return {"private": True, "epsilon": carried["epsilon"], "accountant": carried["accountant"],
+            "delta": carried["delta"]}
 
 
 def _score(task: Any, model: Any, rows: list, batch_size: int, output: Any, what: str) -> dict[str, np.ndarray]:

@@ -157,13 +157,27 @@ def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> No
     unit = epsilon_unit(ledger.mechanism)
     out.table(f"ε spent after {ledger.steps} steps, {unit}", ["method", "ε", "lower", "upper", "note"],
               [[LABELS[r.method], r.epsilon, r.lower, r.upper, r.note] for r in results])
-    headline = next((r for r in results if r.method == ledger.accountant), results[0])
-    if headline.epsilon is not None:
-        out.info(f"ε = {headline.epsilon:.4g} {unit} ({LABELS[headline.method]}, δ={ledger.delta:g})")
+    headline = next((r for r in results if r.method == ledger.accountant and r.guaranteed is not None),
+                    next((r for r in results if r.guaranteed is not None), None))
+    if headline is not None:  # an upper bound: PRV's upper end, never its estimate
+        out.info(f"ε ≤ {headline.guaranteed:.4g} {unit} ({LABELS[headline.method]}, δ={ledger.delta:g})")
+    _report_carried(out, run_dir)
     if plot:
         _plot(out, ledger.runs, ledger.delta, methods, prv_eps_error, plot, str(run_dir))
     _report_release(out, run_dir, {"query": "ledger", "run_dir": str(run_dir), **ledger.to_dict(with_epsilon=False),
                                    "results": [r.to_dict() for r in results]})
+
+
+def _report_carried(out, run_dir: Path) -> None:
+    """A run whose model carries more than its own steps (a DPKD student: its teacher's share) says so."""
+    from dptext.accounting.carried import ONE_RUN, carried_privacy
+    from dptext.runs import RunDir
+
+    result = RunDir.open(run_dir).load_result()
+    carried = carried_privacy(result) if result is not None else None
+    if carried is not None and carried["private"] and carried["composition"] != ONE_RUN:
+        out.warn(f"The table is this run's own DP-SGD steps; its model carries ε ≤ {carried['epsilon']:.4g}, "
+                 f"δ = {carried['delta']:.3g} in all ({carried['composition']}).")
 
 
 def _report_release(out, folder: Path, result: dict[str, Any]) -> None:

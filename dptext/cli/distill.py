@@ -30,14 +30,16 @@ def distill(
 
 
 def render(output, result: dict) -> None:
-    claim = result["privacy_claim"]
+    from dptext.accounting.carried import carried_privacy
+
+    claim = carried_privacy(result)  # what the student's model carries: an upper bound, with a DPKD teacher's share
     student = result["student"]
     rows = [["method", result["method"]],
             [f"perplexity ({result['eval_split']}, real data)", result["metrics"].get("perplexity")],
             ["student", f"{student['source']} layers {student['layers']} ({student['parameters']:,} parameters)"],
             ["ε", claim["epsilon"]], ["δ", claim["delta"]], ["time (s)", result["seconds"]]]
     output.table(f"{result['recipe']}: student", ["", "value"], rows)
-    how = claim.get("composition") or claim.get("note", "")
+    how = claim["composition"] or ""
     output.info(f"Privacy: {how}. Run directory: {result['run_dir']}")
     render_not_covered(output, Path(result["run_dir"]))
 

@@ -32,6 +32,7 @@ def finetune(
 
 
 def render_result(output, result: dict) -> None:
+    from dptext.accounting.carried import guaranteed_epsilon
     from dptext.accounting.ledger import epsilon_unit
 
     rows = [[f"{name} ({result['eval_split']})", value, result["metrics_before_training"].get(name)]
@@ -73,7 +74,7 @@ def render_result(output, result: dict) -> None:
         change = f"{before:.4g} before training -> " if before is not None else ""
         guarantee = "without privacy"
         if privacy["private"]:
-            method, bound = headline_epsilon(privacy)
+            method, bound = guaranteed_epsilon(privacy)
             guarantee = (f"at ε ≤ {bound:.3g} {epsilon_unit(privacy.get('mechanism'))} ({method.upper()} upper "
                          f"bound), δ = {privacy['delta']:.2g}")
             if not privacy.get("mechanism", {}).get("noise_secret", True):
@@ -81,17 +82,6 @@ def render_result(output, result: dict) -> None:
         output.info(f"Look at: {headline} {change}{result['metrics'][headline]:.4g} after training, {guarantee}.")
     output.info(f"Run directory: {result['run_dir']} (model in {result['model_dir']}, curves in metrics.jsonl)")
     render_not_covered(output, Path(result["run_dir"]))
-
-
-def headline_epsilon(privacy: dict) -> tuple[str, float]:
-    """(method, ε) for the headline: the run's accountant's *upper bound* (PRV's upper, not its estimate),
-    else the RDP bound."""
-    epsilon = privacy["epsilon"]
-    chosen = epsilon.get(privacy["accountant"], {})
-    bound = chosen.get("upper") if privacy["accountant"] == "prv" else chosen.get("epsilon")
-    if bound is None or chosen.get("approximate"):
-        return "rdp", epsilon["rdp"]["epsilon"]
-    return privacy["accountant"], bound
 
 
 def register(app: typer.Typer) -> None:

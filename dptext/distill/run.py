@@ -116,8 +116,10 @@ def dpkd_budget(recipe: Any, teacher: dict, n: int) -> dict[str, Any]:
         raise UserError("The DPKD teacher was trained without DP; train it with its share of the budget.")
     eps, delta = total_eps - t["epsilon"], total_delta - t["delta"]
     if eps <= 0 or delta <= 0:
+        share = ("ε/2 and δ/2" if eps <= 0 and delta <= 0 else "ε/2" if eps <= 0
+                 else "privacy.delta at δ/2, or a larger total privacy.delta here")
         raise UserError(f"The DPKD teacher already spent ε={t['epsilon']:.4g}, δ={t['delta']:.3g} of the total "
-                        f"ε={total_eps:g}, δ={total_delta:.3g}; train the teacher with a smaller share (e.g. ε/2).")
+                        f"ε={total_eps:g}, δ={total_delta:.3g}; train the teacher with a smaller share ({share}).")
     return {"student_epsilon": eps, "student_delta": delta, "total_epsilon": total_eps, "total_delta": total_delta}
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from dptext.accounting.carried import ONE_RUN, carried_privacy
 from dptext.data import load_records
 from dptext.distill.chunked_generation import CHUNKS, completed_chunks, generate_all, read_chunks
 from dptext.distill.codes import CodeDistribution, code_distribution, compose_basic, sample_codes, total_variation
@@ -73,17 +74,21 @@ def teacher_info(teacher: str | Path) -> dict[str, Any]:
 
 
 def teacher_privacy(result: dict[str, Any], run_path: str) -> dict[str, Any]:
-    """The teacher's (ε, δ) by its own accountant, from its result.json."""
-    privacy = result["privacy"]
-    if not privacy.get("private"):
+    """The (ε, δ) the teacher's model carries (``carried_privacy``: its accountant's upper bound, plus whatever a
+    distilled teacher inherited), from its result.json."""
+    carried = carried_privacy(result)
+    if not carried["private"]:
         return {"teacher_run": run_path, "private": False, "epsilon": None, "delta": None, "accountant": None,
                 "note": "the teacher was trained WITHOUT differential privacy: nothing derived from it is DP"}
-    accountant = privacy["accountant"]
-    return {"teacher_run": run_path, "private": True, "epsilon": privacy["epsilon"][accountant]["epsilon"],
-            "delta": privacy["delta"], "accountant": accountant,
-            "epsilon_by_method": {m: e["epsilon"] for m, e in privacy["epsilon"].items()},
-            "noise_multiplier": privacy["noise_multiplier"], "steps": privacy["steps"],
-            "sample_rate": privacy["sample_rate"]}
+    privacy = result["privacy"]
+    # the own steps' ε by every accountant, where they are the whole story (not for a DPKD or inherited teacher)
+    alone = carried["composition"] == ONE_RUN and isinstance(privacy.get("epsilon"), dict)
+    by_method = {"epsilon_by_method": {m: e["epsilon"] for m, e in privacy["epsilon"].items()}} if alone else {}
+    return {"teacher_run": run_path, "private": True, "epsilon": carried["epsilon"], "delta": carried["delta"],
+            "accountant": carried["accountant"], "composition": carried["composition"],
+            **by_method,
+            "noise_multiplier": privacy.get("noise_multiplier"), "steps": privacy.get("steps"),
+            "sample_rate": privacy.get("sample_rate")}
 
 
 def combined_privacy(teacher: dict[str, Any], codes: CodeDistribution) -> dict[str, Any]:
@@ -123,23 +128,38 @@ def make_plan(info: dict[str, Any], n: int, settings: dict[str, Any], code_setti
     codes = sample_codes(distribution, n, seed)
     n_validation = int(round(validation_fraction * n))
     validation = sorted(np.random.default_rng(seed + 1).choice(n, size=n_validation, replace=False).tolist())
+    return {**plan_identity(info, n, seed, settings, code_settings), "distribution": distribution.to_dict(),
+            "codes": [list(c) for c in codes], "validation_indices": validation}
+
+
+def plan_identity(info: dict[str, Any], n: int, seed: int, settings: dict[str, Any],
+                  code_settings: dict[str, Any]) -> dict[str, Any]:
+    """What a resumed synthesis must share with the one that started the folder: the records on disk and the code
+    histogram came from that teacher (its run and the (ε, δ) it carried) under those code settings, and the
+    provenance written at the end states them."""
     return {"n": n, "seed": seed, "settings": settings, "code_settings": code_settings,
-            "distribution": distribution.to_dict(), "codes": [list(c) for c in codes],
-            "validation_indices": validation, "teacher": info["privacy"]["teacher_run"]}
+            "teacher": info["privacy"]["teacher_run"],
+            "teacher_privacy": {k: info["privacy"][k] for k in ("private", "epsilon", "delta")}}
 
 
-def load_or_make_plan(out: Path, make: Any, settings: dict[str, Any], n: int, seed: int) -> dict[str, Any]:
+IDENTITY = {"n": "--n", "seed": "--seed", "settings": "generation settings", "teacher": "teacher run",
+            "code_settings": "code histogram (--codes, --code-epsilon, --code-delta, --code-domain)",
+            "teacher_privacy": "teacher (ε, δ)"}
+
+
+def stored_plan(out: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
+    """The plan of a synthesis this folder already holds (None for a new folder), refused before anything is
+    written if it was started with another teacher or other settings."""
     path = out / PLAN
-    if path.exists():
-        plan = json.loads(path.read_text())
-        asked = {"n": n, "seed": seed, "settings": settings}
-        stored = {k: plan[k] for k in asked}
-        if json.loads(json.dumps(asked)) != stored:
-            raise UserError(f"{out} holds a synthesis with other settings ({stored}); resume it with the same "
-                            "settings or choose another --out.")
-        return plan
-    plan = make()
-    atomic_write_json(path, plan)
+    if not path.exists():
+        return None
+    plan = json.loads(path.read_text())
+    asked = json.loads(json.dumps(identity))
+    compared = [k for k in asked if k in plan or k != "teacher_privacy"]  # older plans lack teacher_privacy
+    differ = sorted(k for k in compared if plan.get(k) != asked[k])
+    if differ:
+        raise UserError(f"{out} holds a synthesis started with other values of {'; '.join(IDENTITY[k] for k in differ)}"
+                        "; resume it with the same teacher run and settings, or choose another --out.")
     return plan
 
 
@@ -204,11 +224,15 @@ def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: 
     settings = {"top_k": top_k, "top_p": top_p, "temperature": temperature, "max_new_tokens": max_new_tokens,
                 "batch_size": batch_size, "validation_fraction": validation_fraction}
     code_settings = {"mechanism": code_mechanism, "epsilon": code_epsilon, "delta": code_delta, "domain": code_domain}
+    plan = stored_plan(out, plan_identity(info, n, seed, settings, code_settings))
+    new = plan is None
+    if new:  # in memory first: a refused code domain leaves nothing on disk
+        plan = make_plan(info, n, settings, code_settings, validation_fraction, seed)
     out.mkdir(parents=True, exist_ok=True)
     flags = (["exact_codes"] if code_mechanism == "exact" else []) + inherited_flags(info["privacy"]["teacher_run"])
     write_manifest(out, "synth", flags)  # before any other file
-    plan = load_or_make_plan(out, lambda: make_plan(info, n, settings, code_settings, validation_fraction, seed),
-                             settings, n, seed)
+    if new:
+        atomic_write_json(out / PLAN, plan)
     model, tokenizer = load_model(str(info["model_dir"]), head="causal_lm")
     model.to(pick_device(device)).eval()
     output.info(f"Teacher {info['privacy']['teacher_run']} (ε={info['privacy']['epsilon']}); {n} records, "

@@ -153,6 +153,34 @@ def restore(training: Any, state: dict[str, Any], checkpoints: Path | None = Non
     return state["step"]
 
 
+def check_same_account(training: Any, state: dict[str, Any]) -> None:
+    """A resumed run rebuilds its plan from the data as it is now; if the training set's size changed since the
+    run started, q and δ = 1/(2n) (and σ, calibrated from them) would change mid-account without a word. Refused
+    before the resumed run writes anything, so the account it continues is the one it started."""
+    if not training.private:
+        return
+    restored, now = PrivacyLedger.from_dict(state["ledger"]), training.ledger
+    changes = []
+    if restored.dataset_size != now.dataset_size:
+        changes.append(f"n {restored.dataset_size} -> {now.dataset_size}")
+    if not math.isclose(restored.delta, now.delta, rel_tol=1e-9):
+        changes.append(f"δ {restored.delta:.3g} -> {now.delta:.3g}")
+    rates = {run.sample_rate for run in restored.runs}
+    if any(not math.isclose(rate, training.plan.sample_rate, rel_tol=1e-9) for rate in rates):
+        changes.append(f"q {', '.join(f'{r:.4g}' for r in sorted(rates))} -> {training.plan.sample_rate:.4g}")
+    if restored.accountant != now.accountant:
+        changes.append(f"accountant {restored.accountant} -> {now.accountant}")
+    sigmas = {run.noise_multiplier for run in restored.runs}
+    constant = training.recipe.privacy.method != "edp_sgd"  # eDP-SGD's σ follows its schedule step by step
+    if constant and any(not math.isclose(s, training.noise_multiplier, rel_tol=1e-9) for s in sigmas):
+        # e.g. a DPKD student's σ, calibrated to its share of the budget, after its teacher's ε was re-read
+        changes.append(f"σ {', '.join(f'{s:.4g}' for s in sorted(sigmas))} -> {training.noise_multiplier:.4g}")
+    if changes:
+        raise UserError(f"This run's training data or privacy settings changed since it started ({'; '.join(changes)}"
+                        "), so resuming would continue its privacy account under other terms; restore the data it "
+                        "started with, or start a new run.")
+
+
 def _gather(training: Any, value: Any) -> Any:
     return training.dist.gather(value) if training.dist is not None else value
 

@@ -26,7 +26,7 @@ from dptext.errors import UserError
 from dptext.finetune import selection as model_selection
 from dptext.finetune import sharding
 from dptext.finetune.distributed import FollowerRun, current, release, silent_output
-from dptext.finetune.loop import restore, run_loop
+from dptext.finetune.loop import check_same_account, restore, run_loop
 from dptext.finetune.setup import build_training
 from dptext.finetune.user_level import check_single_process, unit_summary, user_level, user_unit_text
 from dptext.finetune.validate import validate_run
@@ -148,12 +148,14 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         if resume is None and dist.is_writer:
             run.remove_unstarted(keep_folder=existed)
         raise
+    state = run.load_checkpoint() if resume is not None else None
+    if state is not None:
+        check_same_account(training, state)
     training.selection = model_selection.make_selection(recipe, training.task, dist.active)
     # who is (not) a member, for `dptext mia`; same seed on resume, same split
     if training.audit is not None and dist.is_writer:
         write_audit(run.path, training.audit, trained_on=len(training.examples))
     evaluate = _evaluator(training, output)
-    state = run.load_checkpoint() if resume is not None else None
     start_step = restore(training, state, run.checkpoint_dir) if state is not None else 0
     if state is not None:
         run.truncate_metrics_after(start_step)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsilon
+from dptext.accounting.calibrate import check_training_accountant
 from dptext.errors import UserError
 from dptext.privacy.capture import UseRecorder
 from dptext.privacy.clipped_step import clip_recorded, exact_arithmetic, ghost_backward
@@ -263,8 +264,10 @@ class PrivacyEngine:
                             accountant: str = "rdp", **options: Any) -> "PrivacyEngine":
         """An engine whose σ is calibrated so that ``steps`` steps spend ``target_epsilon`` at ``delta``.
 
-        ``accountant`` (rdp, prv or gdp) calibrates; ask ``epsilon(delta, accountant)`` of the same one. Other
-        ``options`` are those of the constructor (clipping_mode, seed, ledger, ...)."""
+        ``accountant`` (rdp, prv or pld: one that gives a bound; GDP's CLT approximation is refused) calibrates;
+        ask ``epsilon(delta, accountant)`` of the same one. Other ``options`` are those of the constructor
+        (clipping_mode, seed, ledger, ...)."""
+        check_training_accountant(accountant)
         q, _, _ = _sampling_numbers(sample_rate, dataset_size, expected_batch_size)
         sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, method=accountant).noise_multiplier
         return cls(model, optimizer, noise_multiplier=sigma, max_grad_norm=max_grad_norm, sample_rate=sample_rate,

@@ -97,7 +97,15 @@ def canonical(value: Any) -> str:
 
 
 def check_code_domain(records: Sequence[dict[str, Any]], fields: Sequence[str], domain: dict[str, list]) -> None:
-    """Every training record's control code must lie in the declared domain (refused by position)."""
+    """The declared domain lists each value once, and every training record's control code lies in it (refused by
+    position)."""
+    for name in fields:  # a value listed twice (4 and 4.0 alike) is two histogram cells one record counts in
+        seen = [canonical(v) for v in domain.get(name, [])]
+        twice = sorted({v for v in seen if seen.count(v) > 1})
+        if twice:
+            raise UserError(f"The code domain lists {name} value(s) {twice} more than once, so one record would be "
+                            "counted in several histogram cells and its noise would not cover it; list each value "
+                            "once in task.code_domain (or --code-domain).")
     values = {f: {canonical(v) for v in domain.get(f, [])} for f in fields}
     missing = [f for f in fields if not values[f]]
     if missing:
