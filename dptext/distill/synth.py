@@ -82,7 +82,7 @@ def teacher_privacy(result: dict[str, Any], run_path: str) -> dict[str, Any]:
                 "note": "the teacher was trained WITHOUT differential privacy: nothing derived from it is DP"}
     privacy = result["privacy"]
     # the own steps' ε by every accountant, where they are the whole story (not for a DPKD or inherited teacher)
-    alone = carried["composition"] == ONE_RUN and isinstance(privacy.get("epsilon"), dict)
+    alone = carried["composition"] == ONE_RUN  # then privacy["epsilon"] is the own run's by-method dict
     by_method = {"epsilon_by_method": {m: e["epsilon"] for m, e in privacy["epsilon"].items()}} if alone else {}
     return {"teacher_run": run_path, "private": True, "epsilon": carried["epsilon"], "delta": carried["delta"],
             "accountant": carried["accountant"], "composition": carried["composition"],
