@@ -156,3 +156,29 @@ def test_ctrl_c_then_sigkill_then_resume_finishes_exactly(data, tmp_path):
     _, err = final.communicate(timeout=300)
     assert final.returncode == 0, err
     check_finished(run, reference_weights(data, tmp_path))
+
+
+def test_ctrl_c_between_log_lines_keeps_the_kept_steps_time(data, tmp_path, monkeypatch):
+    """A run stopped by Ctrl-C after a step no log line covered (log_every > 1) writes that step's clock: a resumed
+    run's wall time is summed over invocations from these records, and would otherwise lose the steps kept since
+    the last log line (DistilDP's CPU DPKD student lost ~11 minutes this way)."""
+    from dptext.errors import RunInterrupted
+    from dptext.finetune import loop
+
+    original, calls = loop.train_step, []
+
+    def step_then_ctrl_c(training, sampled):
+        result = original(training, sampled)
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)  # the loop's handler: stop after this step
+        return result
+
+    monkeypatch.setattr(loop, "train_step", step_then_ctrl_c)
+    run = tmp_path / "run"
+    recipe = config.load_recipe(None, overrides(data) + ["train.log_every=100", "train.checkpoint_every=100"])
+    with pytest.raises(RunInterrupted):
+        run_finetune(recipe, out=run)
+    records = [json.loads(line) for line in (run / "diagnostics_not_private.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("interrupted")) for r in records] == [(3, True)], records
+    assert records[0]["seconds"] > 0 and (run / "checkpoints" / "step-00000003.pt").exists()

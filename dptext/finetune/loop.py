@@ -304,6 +304,11 @@ def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
                 save_checkpoint(training, run, step)
                 saved = step
             if stop.requested and step != steps:  # Ctrl-C: the step is finished; keep it and say how to go on
+                if record.get("step") != step:  # the kept steps since the last log line took time a resumed
+                    # run's wall clock (summed over invocations from these records) must not lose
+                    record = {"step": step, "loss": loss, "batch_size": batch_size,
+                              "seconds": time.monotonic() - started, "interrupted": True}
+                    run.log_diagnostics(record)
                 if saved != step:
                     save_checkpoint(training, run, step)
                 raise RunInterrupted(run.path, step)
