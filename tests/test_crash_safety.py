@@ -161,7 +161,7 @@ def test_ctrl_c_then_sigkill_then_resume_finishes_exactly(data, tmp_path):
 def test_ctrl_c_between_log_lines_keeps_the_kept_steps_time(data, tmp_path, monkeypatch):
     """A run stopped by Ctrl-C after a step no log line covered (log_every > 1) writes that step's clock: a resumed
     run's wall time is summed over invocations from these records, and would otherwise lose the steps kept since
-    the last log line (DistilDP's CPU DPKD student lost ~11 minutes this way)."""
+    the last log line (DistilDP's CPU DPKD student lost ~10 minutes this way)."""
     from dptext.errors import RunInterrupted
     from dptext.finetune import loop
 

@@ -260,6 +260,13 @@ def validate(training: Any, run: RunDir, step: int, evaluate: Any) -> bool:
     return True
 
 
+def log_clock(run: RunDir, step: int, loss: float, batch_size: int, started: float, **extra: Any) -> dict[str, Any]:
+    """Log a step's exact loss, realised batch size and the invocation's clock so far (diagnostics: not covered)."""
+    record = {"step": step, "loss": loss, "batch_size": batch_size, "seconds": time.monotonic() - started, **extra}
+    run.log_diagnostics(record)
+    return record
+
+
 def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
              evaluate: Any) -> tuple[dict[str, Any], int]:
     """Train from ``start_step`` to the planned number of steps, or until early stopping.
@@ -288,9 +295,7 @@ def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
                 # ε depends on the settings alone (covered); the exact loss, the realised Poisson batch size and
                 # the time it took are un-noised statistics of the private batch: a separate, not-covered file
                 run.log_metrics({"step": step, "epoch": step / training.plan.steps_per_epoch, "epsilon": eps})
-                record = {"step": step, "loss": loss, "batch_size": batch_size,
-                          "seconds": time.monotonic() - started}
-                run.log_diagnostics(record)
+                record = log_clock(run, step, loss, batch_size, started)
             due = cfg.eval_every and (step % cfg.eval_every == 0 or step == steps)
             if due and (step != steps or selection is not None):  # with selection the last step may be the best
                 if validate(training, run, step, evaluate):
@@ -306,9 +311,7 @@ def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
             if stop.requested and step != steps:  # Ctrl-C: the step is finished; keep it and say how to go on
                 if record.get("step") != step:  # the kept steps since the last log line took time a resumed
                     # run's wall clock (summed over invocations from these records) must not lose
-                    record = {"step": step, "loss": loss, "batch_size": batch_size,
-                              "seconds": time.monotonic() - started, "interrupted": True}
-                    run.log_diagnostics(record)
+                    log_clock(run, step, loss, batch_size, started, interrupted=True)
                 if saved != step:
                     save_checkpoint(training, run, step)
                 raise RunInterrupted(run.path, step)
