@@ -196,3 +196,14 @@ def test_glue_pair_tasks_read_columns_from_their_headers(tmp_path):
         (record,) = load_split(task, split_of[name], folder)
         assert (record["text"], record["text_pair"], record["label"], record["label_name"]) == expected[task]
     assert load_split("mnli", "validation", tmp_path / "mnli")[0]["genre"] == "fiction"
+
+
+@pytest.mark.parametrize("content, says", [("", "is empty"), ("text,label\nfine,1\n", "expected review and sentiment")])
+def test_imdb_file_that_is_not_the_imdb_csv_is_refused_in_one_sentence(tmp_path, content, says):
+    from dptext.data.reviews import read_imdb_all
+    from dptext.errors import UserError
+
+    path = tmp_path / "reviews.csv"
+    path.write_text(content)
+    with pytest.raises(UserError, match=says):
+        read_imdb_all(str(path))

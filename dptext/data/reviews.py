@@ -149,7 +149,9 @@ def read_imdb_all(path: Optional[str]) -> list[dict[str, Any]]:
 
 def _imdb_rows(handle, source: Path) -> list[dict[str, Any]]:
     reader = csv.DictReader(handle)
-    if not {"review", "sentiment"} <= set(reader.fieldnames or []):
+    if reader.fieldnames is None:
+        raise UserError(f"{source} is empty; pass the IMDB csv (columns review and sentiment) or its wheel.")
+    if not {"review", "sentiment"} <= set(reader.fieldnames):
         raise UserError(f"{source} has columns {reader.fieldnames}, expected review and sentiment (the IMDB csv).")
     records = []
     for number, row in enumerate(reader):
