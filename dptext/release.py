@@ -46,6 +46,9 @@ FLAG_REASONS = {
                               "(privacy.edp_scaling=first_step), a data-dependent choice no accountant covers",
     "reproducible_noise": "the sampler and noise were derived from train.seed (privacy.reproducible_noise=true): "
                           "anyone who knows the seed can regenerate the noise, so files that hold it stay secret",
+    "clipping_not_verified": "clipping not verified: the start-up probe was switched off (privacy.verify=false), "
+                             "so the clipping was never compared with brute-force per-example autograd and ε rests "
+                             "on the layer rules alone",
 }
 GUARANTEE_FLAGS = ("non_private", "exact_codes", "data_dependent_scaling")  # inherited by what learns from the output
 
@@ -165,6 +168,8 @@ def recipe_flags(recipe: Any) -> list[str]:
     if not privacy.enabled:
         return ["non_private"]
     flags = ["reproducible_noise"] if privacy.reproducible_noise else []
+    if not privacy.verify:
+        flags.append("clipping_not_verified")
     if privacy.method == "edp_sgd" and privacy.edp_scaling == "first_step":
         flags.append("data_dependent_scaling")
     return flags

@@ -164,7 +164,7 @@ def test_torch_multihead_attention_is_exact(mode, layout):
         norms, expected = loop_brute_force(model, lambda r: model(ids[r]), rows, CLIP, layout == "per_layer")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         engine = PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=4,
-                               dataset_size=100, clipping_mode=mode, clipping_layout=layout)
+                               dataset_size=100, clipping_mode=mode, clipping_layout=layout, verify=False)
         got_norms = engine.accumulate(model(ids))
         sums = engine.clipped_grads()
         engine.detach()

@@ -40,7 +40,7 @@ def dp_update(mode: str, layout: str, ctx=None, indices=None):
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                            max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode,
-                           clipping_layout=layout, distributed=ctx)
+                           clipping_layout=layout, distributed=ctx, verify=False)
     ids = token_ids()
     engine.accumulate(losses(model, ids[list(range(N)) if indices is None else indices]))
     engine.step()
@@ -68,7 +68,8 @@ def uneven_update(ctx, mode: str):
     model = shard(tiny_lm(), ctx)
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode, distributed=ctx)
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode, distributed=ctx,
+                           verify=False)
     ids = token_ids()
     training = SimpleNamespace(dist=ctx, engine=engine, model=model, task=TokenTask(), device=torch.device("cpu"))
     mine = list(range(N)) if ctx.rank == 0 else []
@@ -92,7 +93,7 @@ def noise_step(ctx=None, mode: str = "bookkeeping"):
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=SIGMA,
                            max_grad_norm=NOISE_C, expected_batch_size=10, dataset_size=100, seed=NOISE_SEED,
-                           clipping_mode=mode, distributed=ctx)
+                           clipping_mode=mode, distributed=ctx, verify=False)
     engine.step()
     return {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
 
@@ -104,7 +105,7 @@ def adam_bytes(ctx=None) -> int:
     model = shard(tiny_lm(), ctx)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=C, expected_batch_size=N,
-                           dataset_size=N, distributed=ctx)
+                           dataset_size=N, distributed=ctx, verify=False)
     engine.accumulate(losses(model, token_ids()[:2]))
     engine.step()
     return held_bytes(model, optimizer)
@@ -121,7 +122,7 @@ def ghost_collectives(ctx) -> dict:
     model = shard(tiny_lm(), ctx)
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                            max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
-                           distributed=ctx)
+                           distributed=ctx, verify=False)
     calls, scatter = [], dist.reduce_scatter_single
     dist.reduce_scatter_single = lambda *args, **kwargs: calls.append(1) or scatter(*args, **kwargs)
     try:
@@ -159,7 +160,7 @@ def ghost_reduction_guarded(ctx) -> dict:
     def ghost_engine():
         return PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                              max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
-                             distributed=ctx)
+                             distributed=ctx, verify=False)
 
     def refusal(action) -> str:
         try:
@@ -198,7 +199,7 @@ def sync_settings_kept(ctx) -> list:
         module.set_requires_all_reduce(False, recurse=False)
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                            max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
-                           distributed=ctx)
+                           distributed=ctx, verify=False)
     engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
     engine.zero_grad()
     return [(group.reduce_grads, group.all_reduce_grads) for module in fsdp_modules(model)
@@ -214,7 +215,7 @@ def refused_on_one_rank(ctx, mode: str, failure: str) -> dict:
     model = shard(tiny_lm(), ctx)
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                            max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode,
-                           distributed=ctx)
+                           distributed=ctx, verify=False)
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     with fails_on_rank_1(failure, ctx.rank, model):
         engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
@@ -235,7 +236,7 @@ def outside_read_refusal(ctx) -> str:
     model = shard(FunctionalHead().double(), ctx)
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                            max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
-                           distributed=ctx)
+                           distributed=ctx, verify=False)
     try:
         engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
     except UserError as error:

@@ -64,7 +64,7 @@ def batch(rows=4, positions=5, seed=0):
 def engine_for(model, mode):
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     return PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=4,
-                         dataset_size=100, clipping_mode=mode), optimizer
+                         dataset_size=100, clipping_mode=mode, verify=False), optimizer
 
 
 def brute_force_sums(model, ids):

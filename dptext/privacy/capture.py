@@ -147,6 +147,10 @@ class UseRecorder:
         would run before ours and rewrite the output we record)."""
         return hook_keys(module) != self.hook_keys[module]
 
+    def add_handle(self, handle) -> None:
+        """A hook of the engine's own on the model, removed with the recorder's."""
+        self._handles.append(handle)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

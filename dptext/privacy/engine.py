@@ -43,19 +43,29 @@ from dptext.privacy.clipped_step import clip_recorded, exact_arithmetic, ghost_b
 from dptext.privacy.optimizer import DPOptimizer, NoiseSource
 from dptext.privacy.outside_reads import OutsideReads
 from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names, _sampling_numbers,
-                                 find_tracked_modules, unproven_rules)
+                                 find_tracked_modules, global_hook_keys, unproven_rules)
 from dptext.privacy.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampler import make_sampler
 from dptext.privacy.fsdp_controls import check_no_other_ghost_engine, whole_weights
 from dptext.privacy.sharded import noise_site, sharded_optimizer
-from dptext.privacy.step_checks import check_trainable_set, parameter_names
+from dptext.privacy.step_checks import check_no_foreign_backward, check_trainable_set, parameter_names
 from dptext.privacy.units import LogicalBatchUnits, unit_index
 from dptext.privacy.user_sampler import UserPoissonSampler, make_user_sampler
 from dptext.privacy.verify import probe as verify_probe
 
 CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
+FIXED_SETTING = ("{} is fixed when the privacy engine is built (the noise drawn, the per-step check and the "
+                 "accounting all use it); build a new PrivacyEngine for another value.")
 CLIPPING_LAYOUTS = ("all_layer", "per_layer")
 SAMPLINGS = ("poisson", "shuffle")
+
+
+def fixed_setting(name: str) -> property:
+    """A privacy setting readable after construction and refused on assignment (``FIXED_SETTING``)."""
+    def refuse(self, value: Any) -> None:
+        raise UserError(FIXED_SETTING.format(name))
+
+    return property(lambda self: getattr(self, f"_{name}"), refuse)
 
 
 class PrivacyEngine:
@@ -76,7 +86,9 @@ class PrivacyEngine:
                  max_grad_norm: float, sample_rate: float | None = None, dataset_size: int | None = None,
                  expected_batch_size: float | None = None, clipping_mode: str = "bookkeeping",
                  clipping_layout: str = "all_layer", sampling: str = "poisson", seed: int | RandomRoot | None = None,
-                 secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None):
+                 secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None,
+                 verify: bool = True, probe_batch: Callable[..., Any] | None = None,
+                 probe_loss: Callable[..., Any] | None = None):
         self.sample_rate, self.dataset_size, self.expected_batch_size = _sampling_numbers(
             sample_rate, dataset_size, expected_batch_size)
         _check_choice("clipping_mode", clipping_mode, CLIPPING_MODES)
@@ -88,8 +100,8 @@ class PrivacyEngine:
         if noise_multiplier < 0 or max_grad_norm <= 0:
             raise UserError("noise_multiplier must be ≥ 0 and max_grad_norm > 0.")
         self.model = model
-        self.noise_multiplier = float(noise_multiplier)
-        self.max_grad_norm = float(max_grad_norm)
+        self._noise_multiplier = float(noise_multiplier)
+        self._max_grad_norm = float(max_grad_norm)
         self.clipping_mode = clipping_mode
         self.clipping_layout = clipping_layout
         self.sampling = sampling
@@ -110,7 +122,9 @@ class PrivacyEngine:
 
         self.optimizer = optimizer
         self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
-        self._probe_args: tuple = ()
+        self.verify_first = bool(verify)  # False: the user opted out of the proof; mechanism() says so
+        self._verifying = False
+        self._probe_args: tuple = (probe_batch, probe_loss)
         self._learned_layouts: dict = {}  # FunctionalRule per layer: what the probe learned survives replan()
         if self.distributed is not None and self.distributed.sharded and clipping_mode == "ghost":
             check_no_other_ghost_engine(model)  # before any hook is attached
@@ -124,6 +138,32 @@ class PrivacyEngine:
                                             adds_noise=self.distributed is None or self.distributed.rank == 0,
                                             any_rank=self.distributed.any_rank if self.distributed else None)
         self.dp_optimizer.param_names = self.param_names()
+        # the optimizer handed to the engine updates only on the engine's privatized gradients, in every mode (a
+        # plain loss.backward() + optimizer.step() in ghost mode applied raw, unclipped gradients)
+        self._step_guard = optimizer.register_step_pre_hook(self._refuse_foreign_step)
+
+    def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        # A step at learning rate 0 changes nothing: torch.distributed.checkpoint creates optimizer state that way
+        # (zero gradients, lr 0) before loading a sharded checkpoint.
+        inert = all(float(group.get("lr", 1.0)) == 0.0 for group in optimizer.param_groups)
+        if not self.dp_optimizer.updating and not inert:
+            raise UserError("The optimizer given to the privacy engine was stepped directly, which would apply "
+                            "gradients the engine did not clip or noise; call engine.step() instead (or "
+                            "engine.detach() to train without privacy).")
+
+    # σ and C are read by the optimizer's noise, the per-step invariant, mechanism() and the ledger: one value for
+    # all, fixed at construction (assigning a new one used to change ε but not the noise drawn).
+    noise_multiplier = fixed_setting("noise_multiplier")
+    max_grad_norm = fixed_setting("max_grad_norm")
+
+    def _prove_before_first_forward(self, module: nn.Module, args: tuple) -> None:
+        """The model's first training forward (with gradients, while the engine records) runs the start-up probe
+        first, on synthetic inputs, unless the engine was verified or built with ``verify=False``: the proof is
+        the default in the library as in ``dptext finetune``, and happens before any private example is read."""
+        if self.verified or not self.verify_first or self._verifying or self.recorder.probing \
+                or not self.recorder.active():  # the probe's own forwards (also when called directly)
+            return
+        self.verify(*self._probe_args)
 
     def _plan(self) -> None:
         """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
@@ -136,11 +176,16 @@ class PrivacyEngine:
             raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
         _check_optimizer(self.optimizer, self.params, self.param_names())
         self.unproven = unproven_rules(self.model, self.tracked)
+        self.global_hooks = global_hook_keys()
         # ghost mode's second pass is autograd over every path: check each step that there is no other one
         # (installed before the recorder, which takes its hooks as the planned ones)
         self.outside_reads = OutsideReads(self.model, self.tracked if self.clipping_mode == "ghost" else {})
+        # the proof's hook first: it runs before the recorder's own hooks see the call (and is part of the plan
+        # the recorder snapshots, so a tracked root does not read it as a foreign hook added later)
+        prove_first = self.model.register_forward_pre_hook(self._prove_before_first_forward, prepend=True)
         self.recorder = UseRecorder(self.model, self.tracked, keep_outputs=self.clipping_mode == "ghost",
                                     names=self.names)
+        self.recorder.add_handle(prove_first)
         if self.clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
             for param in self.params:
                 param.requires_grad_(False)
@@ -176,8 +221,16 @@ class PrivacyEngine:
     def verify(self, make_batch=None, loss_fn=None, **options):
         """Run the start-up probe (``dptext.privacy.verify.probe``) on synthetic inputs; refuse on any mismatch.
 
-        Returns the per-layer report. ``replan()`` re-runs it with the same arguments."""
-        report = verify_probe(self, make_batch, loss_fn, **options)
+        Returns the per-layer report. ``replan()`` re-runs it with the same arguments. Without ``make_batch``
+        and ``loss_fn`` it uses those given to the constructor (``probe_batch``, ``probe_loss``), else random
+        token ids and a fixed functional of the model's output."""
+        make_batch = make_batch or self._probe_args[0]
+        loss_fn = loss_fn or self._probe_args[1]
+        self._verifying = True
+        try:
+            report = verify_probe(self, make_batch, loss_fn, **options)
+        finally:
+            self._verifying = False
         self._probe_args = (make_batch, loss_fn)
         report.raise_if_refused()
         self.verified = True
@@ -210,6 +263,7 @@ class PrivacyEngine:
         if not per_example_loss.requires_grad:
             raise UserError("The loss does not depend on any trainable layer; check that the model forward "
                             "ran with gradients enabled after the engine was created.")
+        check_no_foreign_backward(self)
         if self.clipping_mode == "ghost":
             return ghost_backward(self, per_example_loss, unit_ids)
         per_example_loss.sum().backward()
@@ -295,7 +349,11 @@ class PrivacyEngine:
                     f"user's sampled examples (at most {k}) summed, sensitivity C; q over users"}
         return {"method": "dp_sgd", **unit, "sensitivity": self.max_grad_norm, "processes": processes,
                 "noise": "N(0, σ²C²) once per step" + (noise_site(self.distributed) if processes > 1 else ""),
-                "sampling": self.sampling, "randomness": randomness_note(self.root), "noise_secret": self.root.secret}
+                "sampling": self.sampling, "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
+                "clipping_verified": self.verified,
+                "clipping": "exact: the start-up probe compared it with brute-force per-example autograd" if
+                self.verified else "NOT VERIFIED: the start-up probe has not run" + (
+                    " (verify=False); exactness rests on the layer rules alone" if not self.verify_first else "")}
 
     def state_dict(self) -> dict[str, Any]:
         """Steps taken and the noise generators' states (the wrapped optimizer is saved by its owner)."""
@@ -309,6 +367,7 @@ class PrivacyEngine:
         """Remove the hooks, give the parameters back to autograd and FSDP2 its own gradient reduction."""
         self.recorder.remove()
         self.outside_reads.remove()
+        self._step_guard.remove()
         self.dp_optimizer.release()
         for param in self.params:
             param.requires_grad_(True)

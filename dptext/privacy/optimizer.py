@@ -18,6 +18,8 @@ the device generator (``parallel_noise``): the same noise whatever the number of
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import os
 from typing import Callable
 
@@ -121,6 +123,17 @@ class DPOptimizer:
         self.summed: dict[nn.Parameter, Tensor] = {}
         self.param_names: dict[nn.Parameter, str] = {}  # for messages; the engine fills it
         self.examples_seen = 0  # realised examples in this logical batch: for logging only, never for scaling
+        self.updating = False  # True only while step() runs the wrapped optimizer on the privatized gradients
+
+    @contextmanager
+    def engine_update(self):
+        """The wrapped optimizer's step, on privatized gradients: the only update the engine lets through
+        (``PrivacyEngine`` refuses any other step of that optimizer)."""
+        self.updating = True
+        try:
+            yield
+        finally:
+            self.updating = False
 
     @property
     def param_groups(self):
@@ -207,7 +220,8 @@ class DPOptimizer:
         self.check_owned()
         for param, grad in self.privatized_grads().items():
             param.grad = grad.to(param.dtype)
-        self.optimizer.step()
+        with self.engine_update():
+            self.optimizer.step()
         for param in self.params:
             param.grad = None  # the optimizer's grads are ours; nothing stale may leak into the next step
 

@@ -96,6 +96,15 @@ def unproven_rules(model: nn.Module, tracked: dict[nn.Module, Any]) -> dict[nn.M
     return unproven
 
 
+def global_hook_keys() -> tuple:
+    """The handle ids of torch's global module hooks (``register_module_forward_hook`` and friends), which run on
+    every module's call like hooks of its own."""
+    return tuple(tuple(store) for store in (torch_module._global_forward_hooks,
+                                           torch_module._global_forward_pre_hooks,
+                                           torch_module._global_backward_hooks,
+                                           torch_module._global_backward_pre_hooks))
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
                      names: dict[nn.Parameter, str] | None = None) -> None:
     private = set(params)

@@ -203,7 +203,8 @@ class ShardedDPOptimizer(DPOptimizer):
         for param, local in self.privatized_grads().items():
             param.grad = DTensor.from_local(local.to(param.dtype), param.device_mesh, param.placements,
                                             shape=param.shape, stride=param.stride())
-        self.optimizer.step()
+        with self.engine_update():
+            self.optimizer.step()
         for param in self.params:
             param.grad = None
 

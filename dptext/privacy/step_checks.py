@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 from dptext.privacy import clipping
+from dptext.privacy.plan import global_hook_keys
 
 
 def checked_uses(engine, per_example_loss: Tensor) -> list | None:
@@ -42,6 +43,10 @@ def deferred_to_the_step(engine, error: UserError) -> bool:
 
 def _untrusted(engine, uses: list, per_example_loss: Tensor) -> UserError | None:
     recorder = engine.recorder
+    if not recorder.probing and global_hook_keys() != engine.global_hooks:
+        return UserError("A global module hook (torch.nn.modules.module.register_module_forward_hook or a sibling) "
+                         "was added or removed after the privacy engine planned its clipping; it runs on every "
+                         "layer's call, so call engine.replan() (it re-runs the probe) after changing it.")
     if not uses:
         return UserError("No trainable layer received a gradient; was the model called with the engine's hooks "
                          "(not under torch.no_grad) before this step?")
@@ -88,9 +93,32 @@ def invariant_failed(name: str | None, why: str) -> UserError:
                      "use clipping_mode='per_sample' meanwhile.")
 
 
+def check_no_foreign_backward(engine) -> None:
+    """Before the engine's own backward pass: no recorded layer use may hold a gradient yet. One that does was
+    reached by a backward pass the engine did not issue (the user's loss.backward(), an input-saliency or
+    adversarial inner pass), and its rows would be merged with this batch's examples by position."""
+    foreign = [use for use in engine.recorder.uses if use.grad_output is not None]
+    if foreign:
+        engine.zero_grad()
+        raise UserError(f"A backward pass the privacy engine did not issue reached {len(foreign)} recorded layer "
+                        "uses since the last accumulate; pass the per-example loss to engine.accumulate() (or "
+                        "engine.step()) and run other backward passes with the engine detached or under "
+                        "engine.recorder.paused(); the logical batch so far was dropped.")
+
+
 def check_trainable_set(engine) -> None:
-    """Every parameter the model would train must be in this plan (gradual unfreezing, a replaced head)."""
+    """Every parameter the model would train must be in this plan (gradual unfreezing, a replaced head), and every
+    planned parameter must still be the model's (``load_state_dict(assign=True)`` or a dtype conversion that makes
+    new Parameter objects would leave the optimizer updating the old ones)."""
     planned = set(engine.params)
+    present = {id(param) for param in engine.model.parameters()}
+    names = engine.dp_optimizer.param_names
+    for param in engine.params:
+        if id(param) not in present:
+            engine.dp_optimizer.zero_grad()
+            raise UserError(f"Parameter '{names.get(param, tuple(param.shape))}' of the privacy engine's plan is no "
+                            "longer in the model (replaced by load_state_dict(assign=True), a dtype conversion or a "
+                            "new module), so the optimizer would update a stale copy; call engine.replan().")
     for name, param in engine.model.named_parameters():
         if param.requires_grad and param not in planned:
             engine.dp_optimizer.zero_grad()

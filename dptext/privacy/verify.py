@@ -2,18 +2,19 @@
 
 Nothing here touches private data: the probe feeds random token ids within the vocabulary (unequal lengths,
 right padding) — or a task's own synthetic batch (``task.probe_batch``) with the task's loss — so it costs no
-privacy. For each probe shape (B ≠ T, then B = T) it
-1. runs the model without the engine's hooks, with every planned parameter requiring grad, and takes each
-   example's gradient by its own autograd pass (fp64 where the model converts) — the reference: its norms, and
-   its clipped sums formed one example at a time (``probe_checks.Reference``); that forward must change no
-   buffer of the model (running statistics would be released without noise);
+privacy. A ``PrivacyEngine`` runs it before the model's first training forward unless built with
+``verify=False``. For each probe shape (B ≠ T, then B = T) it
+1. runs the model without the hooks and without autograd: the loss must have one entry per example, and that
+   training forward must change no buffer of the model (running statistics would be released without noise);
 2. runs the same forward with the hooks (same dropout masks) and checks, per layer, what would make the rules
    wrong: an output modified in place, rows that are not one example each, a broadcast of a batch-1 input that
    changes the forward, a tracked weight read outside its module (a functional use or a second module);
-3. lets the engine produce its per-parameter norms and clipped sums and compares them with the reference;
-4. re-draws one example (its row of every tensor of the batch): every other example's loss and every other row
-   of every recorded input must stay put (the loss is per example and the rows are examples), and the loss has
-   one entry per example.
+3. lets the engine produce its per-parameter norms and clipped sums, then takes each example's gradient of the
+   *compared* parameters by its own autograd pass (one representative layer per use pattern, ``proof.patterns``;
+   fp64 for models up to ``FP64_PARAMETERS``, the model's own precision above) and compares norms and clipped
+   sums (``probe_checks.Reference``); the other layers of a pattern share the representative's verdict;
+4. re-draws one example at a time (its row of every tensor of the batch) with the hooks: every other example's
+   loss and every other row of every recorded input must stay put (the loss is per example, rows are examples).
 Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first into one sentence.
 """
 
@@ -30,11 +31,15 @@ from torch import Tensor, nn
 from dptext.allocator import release_freed_memory
 from dptext.errors import UserError
 from dptext.privacy.probe_checks import ReferenceFailed, probe_one, with_row
+from dptext.privacy.proof.patterns import representatives
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
                     "model's synthetic batch ({}; e.g. an input changed in place after a layer read it, or "
                     "an fp32-only mask), so nothing can prove the clipping exact; fix the model's forward or "
                     "freeze the layers involved.")
+FP64_PARAMETERS = 50_000_000  # up to this size the probe runs on an fp64 copy of the model (its peak: ~2 extra
+# fp64 model sizes, negligible here); above it, in the model's own precision with fp32 sums, so that the proof
+# costs about one training step's memory at any scale (docs/privacy_engine.md, "What the proof covers")
 PROBE_SHAPES = ((5, 3), (4, 4))  # (examples, positions): B ≠ T (B = 5: not a tiny label count or hidden size, so
 # the functional fallback can learn which inputs carry the batch), then B = T
 
@@ -55,6 +60,7 @@ class ProbeReport:
     state_problem: str | None = None  # model state a training forward changes (released without noise)
     seconds: float = 0.0
     shapes: tuple = PROBE_SHAPES
+    compared: int = 0  # layers compared with brute force themselves; the others share their pattern's verdict
     notes: list[str] = field(default_factory=list)
 
     def refuse(self, module: nn.Module, why: str) -> None:
@@ -84,8 +90,9 @@ def synthetic_token_batch(model: nn.Module) -> Callable[[int, int, torch.Generat
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or getattr(embeddings, "num_embeddings", None)
     if not vocab:
-        raise UserError("The probe cannot tell this model's vocabulary size; pass make_batch and loss_fn to "
-                        "engine.verify() or set privacy.verify=false (not recommended).")
+        raise UserError("The start-up probe cannot tell this model's vocabulary size to build its synthetic batch; "
+                        "give PrivacyEngine(..., probe_batch=..., probe_loss=...) (or pass them to engine.verify()), "
+                        "or opt out with verify=False / privacy.verify=false (recorded as 'clipping not verified').")
 
     def make_batch(examples: int, positions: int, generator: torch.Generator) -> dict[str, Tensor]:
         return random_token_batch(vocab, generator, examples, positions)
@@ -158,9 +165,27 @@ def probe_precision(model: nn.Module, dtype: torch.dtype | None):
                 store[key] = tensor.to(original)
 
 
-def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
-          dtype: torch.dtype | None = torch.float64) -> ProbeReport:
-    """Verify ``engine`` on synthetic batches; returns the per-layer report (see the module docstring)."""
+def probe_dtype(model: nn.Module, device: torch.device) -> torch.dtype | None:
+    """fp64 for a model of up to ``FP64_PARAMETERS`` parameters, else None (its own precision); fp32 for a
+    half-precision model (bf16 rounding would hide a wrong path)."""
+    if device.type == "mps":
+        return None
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    if sum(p.numel() for p in floating) <= FP64_PARAMETERS:
+        return torch.float64
+    return torch.float32 if any(p.dtype in (torch.float16, torch.bfloat16) for p in floating) else None
+
+
+def engine_hooks(engine: Any) -> set[int]:
+    """Ids of the hooks the engine installed (the recorder's, the outside-read detector's), by handle id."""
+    handles = list(getattr(engine.recorder, "_handles", [])) + list(getattr(engine.outside_reads, "_handles", []))
+    return {handle.id for handle in handles if hasattr(handle, "id")}  # a model patch is no hook
+
+
+def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype: Any = "auto") -> ProbeReport:
+    """Verify ``engine`` on synthetic batches; returns the per-layer report (see the module docstring).
+
+    ``dtype``: the probe's precision ("auto": ``probe_dtype``; None: the model's own)."""
     model = engine.model
     make_batch = make_batch or synthetic_token_batch(model)
     loss_fn = loss_fn or output_functional_loss
@@ -168,12 +193,14 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
                           for m, (rule, _) in engine.tracked.items()}, shapes=tuple(shapes))
     start = time.perf_counter()
     device = engine.params[0].device
+    decided_by = representatives(model, engine.tracked, engine.names, engine_hooks(engine))
+    report.compared = sum(1 for module, rep in decided_by.items() if rep is module)
     was_training = model.training
     def run_probes(precision) -> None:
         with probe_precision(model, precision):
             for number, (examples, positions) in enumerate(shapes):
                 batch, redraw = synthetic_batches(make_batch, examples, positions, number, device)
-                probe_one(engine, report, batch, loss_fn, device, redraw if examples > 1 else None)
+                probe_one(engine, report, batch, loss_fn, device, redraw if examples > 1 else None, decided_by)
 
     def run_or_refuse(precision) -> None:
         try:
@@ -181,7 +208,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES,
         except ReferenceFailed as error:  # the brute-force reference itself fails: nothing proves the engine
             raise UserError(REFERENCE_FAILED.format(error)) from error
 
-    precision = None if device.type == "mps" else dtype
+    precision = probe_dtype(model, device) if dtype == "auto" else dtype
     try:
         if precision is None:
             run_or_refuse(None)

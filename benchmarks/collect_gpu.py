@@ -1,0 +1,209 @@
+"""Collect a GPU check's $OUT (benchmarks/device/gpu_check.sh) into benchmarks/results/bench_gpu.json; print its tables.
+
+    python benchmarks/collect_gpu.py OUTDIR                   # a GPU run -> benchmarks/results/bench_gpu.json
+    python benchmarks/collect_gpu.py OUTDIR --out FILE.json   # anything, the CPU rehearsal too, elsewhere
+
+OUTDIR holds meta.json, exactness.json, bench.json and max_model.json (the last from the log's rows when the
+scale step was cut off before writing it). The result names the device and the commit, and keeps every exactness
+cell, every bench-memory row and every max-model row. Printed in Markdown: step time and peak memory of each mode
+as ratios to non-private training and to opacus (its ghost clipping refuses the tied SmolLM2, so its untied copy
+stands in, as the header says), the largest batch; the largest model non-private vs DP; the exactness cells
+exact / refused / FAILED per precision and mode, with the worst errors against their tolerances.
+
+A CPU rehearsal (or a --tiny run) is refused as benchmarks/results/bench_gpu.json: that file holds GPU numbers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dptext.runs import atomic_write_json  # noqa: E402  (runs from a checkout without installing)
+
+RESULT = REPO / "benchmarks" / "results" / "bench_gpu.json"
+MODE_NAMES = {"nonprivate": "non-private", "bookkeeping": "dptext book-keeping", "ghost": "dptext ghost",
+              "per_sample": "dptext per-sample", "opacus": "opacus 1.6 ghost", "opacus_untied": "opacus 1.6 ghost "
+              "(untied copy)"}
+
+
+def read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def scale_from_log(log: Path) -> dict | None:
+    """max_model.py's rows as its log printed them, for a scale step cut off before it wrote its JSON."""
+    if not log.exists():
+        return None
+    rows = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith('{"mode"') and '"layers"' in line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    largest = {}
+    for row in rows:
+        if row.get("fits") and row["layers"] > largest.get(row["mode"], {}).get("layers", 0):
+            largest[row["mode"]] = {"layers": row["layers"], "parameters": row["parameters"]}
+    return {"rows": rows, "largest": largest, "from_log": True} if rows else None
+
+
+def exactness_summary(exactness: dict | None) -> dict:
+    if exactness is None:
+        return {"cells": 0, "exact": 0, "refused": 0, "FAILED": 0, "by": []}
+    cells = exactness["cells"]
+    by = []
+    for precision in dict.fromkeys(cell["precision"] for cell in cells):
+        for mode in dict.fromkeys(cell["mode"] for cell in cells):
+            group = [c for c in cells if c["precision"] == precision and c["mode"] == mode]
+            if not group:
+                continue
+            measured = [c for c in group if "max_error" in c]
+            worst = {what: max((c["max_error"][what] for c in measured), default=None)
+                     for what in ("norms", "sum", "layer")}
+            by.append({"precision": precision, "mode": mode, "tolerance": exactness["setup"]["tolerance"][precision],
+                       **{outcome: sum(c["outcome"] == outcome for c in group)
+                          for outcome in ("exact", "refused", "FAILED")},
+                       "worst": worst, "worst_sensitivity_c": max((c["sensitivity_c"] for c in measured),
+                                                                  default=None)})
+    return {"cells": len(cells), **{outcome: sum(c["outcome"] == outcome for c in cells)
+                                    for outcome in ("exact", "refused", "FAILED")},
+            "proof_ran": sum(bool(c.get("proof_ran")) for c in cells), "planned": exactness["setup"].get("planned"),
+            "by": by}
+
+
+def with_opacus_ratios(report: dict) -> dict:
+    """The report's rows with ``opacus_time_ratio`` / ``opacus_memory_ratio`` against opacus (else its untied
+    copy); ``opacus_reference`` says which."""
+    rows = {row["mode"]: row for row in report["results"]}
+    reference = next((rows[m] for m in ("opacus", "opacus_untied") if rows.get(m, {}).get("status") == "ok"), None)
+    results = []
+    for row in report["results"]:
+        row = dict(row)
+        if reference is not None and row["status"] == "ok":
+            row.update(opacus_reference=reference["mode"], opacus_time_ratio=row["step_s"] / reference["step_s"],
+                       opacus_memory_ratio=row["peak_mb"] / reference["peak_mb"])
+        results.append(row)
+    return dict(report, results=results)
+
+
+def collect(out_dir: Path) -> dict:
+    meta = json.loads((out_dir / "meta.json").read_text())
+    exactness = read(out_dir / "exactness.json")
+    scale = read(out_dir / "max_model.json") or scale_from_log(out_dir / "log.txt")
+    bench = read(out_dir / "bench.json") or {"runs": []}
+    return {"what": "issue 44's GPU check (benchmarks/device/gpu_check.sh): exactness against fp64 brute force, "
+                    "dptext bench-memory against non-private and opacus, the largest model non-private vs DP",
+            "device": meta.get("device_name") or meta["device"], "tiny": meta["tiny"],
+            "rehearsal": meta["device"] != "cuda" or meta["tiny"],
+            "commit": meta["provenance"]["git_revision"], "nvidia_smi": meta.get("nvidia_smi"),
+            "torch": meta["torch"], "cuda": meta.get("cuda"), "packages": meta["provenance"]["packages"],
+            "smollm2_weights": meta.get("smollm2_weights"), "steps": meta["steps"],
+            "exactness": {"summary": exactness_summary(exactness), "setup": (exactness or {}).get("setup"),
+                          "cells": (exactness or {}).get("cells", [])},
+            "bench": [with_opacus_ratios(report) for report in bench["runs"]],
+            "scale": scale}
+
+
+def cell(value, digits: int = 2) -> str:
+    if value is None:
+        return "—"
+    return f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(cell(value) if not isinstance(value, str) else value for value in row) + " |"
+              for row in rows)]
+
+
+def bench_lines(result: dict) -> list[str]:
+    lines = []
+    for report in result["bench"]:
+        setup = report["setup"]
+        rows = []
+        for row in report["results"]:
+            ok = row["status"] == "ok"
+            rows.append([MODE_NAMES.get(row["mode"], row["mode"]), cell(row.get("step_s"), 3) if ok else row["status"],
+                         row.get("time_ratio"), row.get("opacus_time_ratio"), cell(row.get("peak_mb"), 0),
+                         row.get("memory_ratio"), row.get("opacus_memory_ratio"), row.get("max_batch")])
+        reference = next((r.get("opacus_reference") for r in report["results"] if r.get("opacus_reference")), None)
+        opacus = {"opacus": "opacus", "opacus_untied": "opacus (untied copy)"}.get(reference, "opacus")
+        lines += [f"**{setup['model']}, T = {setup['seq_len']}, B = {setup['batch_size']}, {setup['precision']}** "
+                  f"({setup['machine']}; median of {setup['steps'] * setup['rounds']} steps)", "",
+                  *table(["mode", "step s", "time × non-private", f"time × {opacus}", "peak MiB",
+                          "memory × non-private", f"memory × {opacus}", "largest batch"], rows), ""]
+    return lines
+
+
+def scale_lines(scale: dict | None) -> list[str]:
+    if scale is None:
+        return ["Largest model: not measured (no max_model.json and no rows in the log).", ""]
+    rows = []
+    for mode, largest in scale["largest"].items():
+        row = next((r for r in scale["rows"] if r["mode"] == mode and r["layers"] == largest["layers"]), {})
+        probe = f"{row['probe_seconds']:.1f} s = {row['probe_steps']:.1f} steps" if "probe_seconds" in row else "—"
+        rows.append([mode, largest["layers"], largest["parameters"], row.get("step_seconds"),
+                     row.get("peak_bytes") and row["peak_bytes"] / 2**30, probe])
+    tried = [r for r in scale["rows"] if r.get("fits") is False]
+    note = "; ".join(f"{r['mode']} at {r['layers']} layers: {r.get('why', 'does not fit')}" for r in tried)
+    return ["**Largest model** (" + scale.get("what", "benchmarks/max_model.py") +
+            (", rows from the log: the step was cut off" if scale.get("from_log") else "") + ")", "",
+            *table(["mode", "layers", "parameters", "step s", "peak GiB", "start-up proof"], rows),
+            *(["", f"Not fitting: {note}."] if note else []), ""]
+
+
+def error(value: float | None, tolerance: float) -> str:
+    return f"{'—' if value is None else f'{value:.1e}'} (≤ {tolerance:g})"
+
+
+def exactness_lines(summary: dict) -> list[str]:
+    rows = [[g["precision"], g["mode"], g["exact"], g["refused"], g["FAILED"],
+             *(error(g["worst"][what], g["tolerance"][what]) for what in ("norms", "sum", "layer")),
+             cell(g["worst_sensitivity_c"], 4)] for g in summary["by"]]
+    planned = f" of {summary['planned']} planned" if summary.get("planned") else ""
+    return [f"**Exactness** against fp64 brute force: {summary['cells']} cells{planned}: {summary['exact']} exact, "
+            f"{summary['refused']} refused, {summary['FAILED']} FAILED (the engine's start-up proof ran in "
+            f"{summary.get('proof_ran', 0)})", "",
+            *table(["precision", "mode", "exact", "refused", "FAILED", "worst norm error", "worst sum error",
+                    "worst layer error", "worst move / C"], rows), ""]
+
+
+def markdown(result: dict) -> str:
+    head = (f"GPU check on **{result['device']}** at {result['commit']} (torch {result['torch']}"
+            + (f", CUDA {result['cuda']}" if result.get("cuda") else "") + ")"
+            + (" — a rehearsal, not a GPU result" if result["rehearsal"] else ""))
+    steps = ", ".join(f"{name} {entry['seconds']:.0f} s ({entry['status']})" for name, entry in result["steps"].items())
+    weights = [f"SmolLM2 weights: {result['smollm2_weights']}.", ""] if result.get("smollm2_weights") else []
+    return "\n".join([head, "", f"Steps: {steps}.", "", *weights, *bench_lines(result),
+                      *scale_lines(result["scale"]), *exactness_lines(result["exactness"]["summary"])])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="the $OUT of benchmarks/device/gpu_check.sh")
+    parser.add_argument("--out", type=Path, default=RESULT, help=f"where to write (default {RESULT})")
+    args = parser.parse_args(argv)
+    if not (args.out_dir / "meta.json").exists():
+        print(f"{args.out_dir} holds no meta.json, so it is not a GPU check's output; pass the $OUT folder of "
+              "benchmarks/device/gpu_check.sh.", file=sys.stderr)
+        return 2
+    result = collect(args.out_dir)
+    if result["rehearsal"] and args.out.resolve() == RESULT.resolve():
+        what = f"device {result['device']}" + (", tiny models" if result["tiny"] else "")
+        print(f"{args.out_dir} holds a rehearsal ({what}), not a GPU run, so it is not written to "
+              f"{RESULT.relative_to(REPO)}; pass --out elsewhere to collect it.", file=sys.stderr)
+        return 2
+    atomic_write_json(args.out, result)
+    print(markdown(result))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

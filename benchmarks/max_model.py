@@ -1,0 +1,205 @@
+"""The largest model that trains under a memory cap: non-private Adam against dptext DP-Adam with default settings.
+
+    python benchmarks/max_model.py [--device cpu|cuda] [--cap-gb 20] [--layers 4,8,11,16,22]
+                                   [--modes nonprivate,dp] [--tiny] [--time-budget S] [--out FILE.json]
+
+The family is TinyLlama-1.1B's shape (hidden 2048, intermediate 5632, 32 heads with 8 key/value heads, a tied
+32,000-token vocabulary) with L decoder layers and random weights built in code (no download): L = 4 is 246M
+parameters, L = 22 is 1.1B. Every (mode, L) is one child process that builds the model, then
+* ``nonprivate``: two Adam steps on a batch of 2 × 32 random tokens;
+* ``dp``: a book-keeping ``PrivacyEngine`` with its default settings, the start-up proof (``engine.verify()``,
+  timed on its own), then two DP-Adam steps on the same batch.
+On the CPU the parent samples the child's resident memory and kills it above the cap (``fits: false``); the peak
+is the kernel's high-water mark (``VmHWM``), reset between the proof and the steps so each has its own. On CUDA
+the peak is ``torch.cuda.max_memory_allocated`` (reset the same way), and the cap is the device's memory: an
+out-of-memory error is ``fits: false``. Layers are tried in increasing order per mode until one does not fit.
+
+Reported per row: parameters, fits, the step's peak (``peak_bytes``), the proof's peak and time
+(``probe_peak_bytes``, ``probe_seconds``, ``probe_steps`` = its time in median DP steps), the median step time;
+and per mode the largest L that fit. ``--tiny`` uses hidden 64 and a 512-token vocabulary (the rehearsal in
+tests/test_max_model.py and the GPU check's ``--tiny``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FULL = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 32000}
+TINY = {"hidden_size": 64, "intermediate_size": 172, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 512}
+MODES = ("nonprivate", "dp")
+BATCH, LENGTH, STEPS = 2, 32, 2
+
+
+def build(layers: int, tiny: bool, device: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=True, **(TINY if tiny else FULL))
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(config)
+
+
+def peak_now(device: str) -> int:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def reset_peak(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return
+    from dptext.allocator import release_freed_memory
+
+    release_freed_memory()
+    with open("/proc/self/clear_refs", "w") as clear:  # "5" resets VmHWM to the current resident set
+        clear.write("5")
+
+
+def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
+    """One trial in this process; prints its numbers as one JSON line."""
+    import torch
+
+    from dptext.privacy import PrivacyEngine, causal_lm_loss
+
+    model = build(layers, tiny, device)
+    model.train()
+    parameters = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, model.config.vocab_size, (BATCH, LENGTH), generator=generator).to(device)
+    mask = torch.ones_like(ids)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    row = {"mode": mode, "layers": layers, "parameters": parameters}
+    engine = None
+    if mode == "dp":
+        engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=BATCH,
+                               dataset_size=1000)
+        reset_peak(device)
+        start = time.perf_counter()
+        engine.verify()
+        row["probe_seconds"] = time.perf_counter() - start
+        row["probe_peak_bytes"] = peak_now(device)
+
+    def step() -> float:
+        start = time.perf_counter()
+        with autocast:
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        if engine is None:
+            causal_lm_loss(logits, ids, mask).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            engine.step(causal_lm_loss(logits, ids, mask))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    reset_peak(device)
+    times = sorted(step() for _ in range(STEPS))
+    row.update(fits=True, peak_bytes=peak_now(device), step_seconds=times[len(times) // 2])
+    if "probe_seconds" in row:
+        row["probe_steps"] = row["probe_seconds"] / row["step_seconds"]
+        row["probe_to_step_peak"] = row["probe_peak_bytes"] / row["peak_bytes"]
+    return row
+
+
+def rss_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def trial(mode: str, layers: int, args) -> dict:
+    """Run one (mode, L) in a child process; kill it above the cap (CPU)."""
+    command = [sys.executable, __file__, "--child", mode, "--layers", str(layers), "--device", args.device]
+    command += ["--tiny"] if args.tiny else []
+    cap = args.cap_gb * 2**30
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    killed = False
+    while proc.poll() is None:
+        if args.device == "cpu" and rss_of(proc.pid) > cap:
+            proc.send_signal(signal.SIGKILL)
+            killed = True
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate()
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    if rows and proc.returncode == 0:
+        return {**rows[-1], "wall_seconds": wall}
+    why = "killed above the memory cap" if killed else (stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return {"mode": mode, "layers": layers, "fits": False, "why": why, "wall_seconds": wall}
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor())
+    return f"{os.cpu_count()}-core CPU ({model})"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--cap-gb", type=float, default=20.0, help="CPU: kill a trial above this resident memory")
+    parser.add_argument("--layers", default=None, help="comma-separated layer counts, tried in increasing order")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--time-budget", type=float, default=None, help="start no trial after this many seconds")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, int(args.layers), args.tiny, args.device)), flush=True)
+        return {}
+    default_layers = "1,2,4" if args.tiny else ("22,44,66,88,110" if args.device == "cuda" else "4,8,11,16,22")
+    layer_counts = sorted(int(n) for n in (args.layers or default_layers).split(","))
+    start, rows, largest = time.perf_counter(), [], {}
+    for mode in args.modes.split(","):
+        for layers in layer_counts:
+            if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
+                rows.append({"mode": mode, "layers": layers, "fits": None, "why": "time budget spent"})
+                break
+            row = trial(mode, layers, args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if not row["fits"]:
+                break
+            largest[mode] = {"layers": layers, "parameters": row["parameters"]}
+    result = {"what": "largest TinyLlama-shaped model (L layers, random weights) that trains 2 steps of batch "
+                      f"{BATCH} x {LENGTH} tokens: non-private Adam vs dptext DP-Adam book-keeping with its "
+                      "default settings (start-up proof on)",
+              "device": args.device, "machine": machine(args.device), "cap_gb": args.cap_gb if args.device == "cpu"
+              else None, "tiny": args.tiny, "rows": rows, "largest": largest}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

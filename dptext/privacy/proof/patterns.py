@@ -1,0 +1,74 @@
+"""Use patterns: which tracked layers share a verdict of the start-up probe's numeric comparison.
+
+A rule's per-example norms and clipped sums depend on the layer's class, its parameters (names, shapes, which are
+trained), the rule, and the code that calls it — the forward of every module above it, and any hook or
+instance-level ``forward`` on the way. Two layers equal in all of these run the same code on tensors of the same
+shapes, so the numeric comparison of the first one (the *representative*) with brute-force per-example autograd
+decides for both. The key below is that list, plus the layer's dotted name with every index of a repeated block
+(``layers.3``) replaced by ``*``, so the first and the fourth decoder layer's ``q_proj`` share a pattern while a
+decoder's and an encoder's do not.
+
+A layer is always its own representative when the key cannot describe what makes it special:
+* a parameter shared with another tracked layer (tied embeddings: the cross term is per pair);
+* its rule learns from the probe (the ``torch.func`` fallback learns, per layer, which inputs carry the batch);
+* it, or any module above it, has a forward replaced on the instance or a foreign hook (forward, backward,
+  pre-hooks): such code is per instance, not per class.
+Everything the probe checks structurally (in-place changes, rows that are not examples, expansions, parameters
+read outside their module, row and loss independence, buffers) still runs on every layer of the full model.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+HOOK_STORES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def pattern_name(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj`` → ``model.layers.*.self_attn.q_proj``."""
+    return _INDEX.sub("*", name)
+
+
+def _instance_code(module: nn.Module, own_hooks: set[int]) -> bool:
+    """True if this instance runs code its class does not: a replaced forward or a hook not the engine's
+    (hooks are keyed by their handle's id in these dicts; torch has no public way to list them)."""
+    if "forward" in vars(module):
+        return True
+    return any(key not in own_hooks for store in HOOK_STORES for key in getattr(module, store))
+
+
+def representatives(model: nn.Module, tracked: dict[nn.Module, tuple[Any, tuple[str, ...]]],
+                    names: dict[nn.Module, str], own_hooks: set[int] = frozenset()) -> dict[nn.Module, nn.Module]:
+    """Each tracked module → the tracked module whose numeric comparison decides for it (itself for the first
+    of a pattern and for the special cases of the module docstring). ``own_hooks``: the handle ids of the
+    engine's own hooks."""
+    parents: dict[nn.Module, nn.Module] = {}
+    for parent in model.modules():
+        for child in parent.children():
+            parents.setdefault(child, parent)
+    owners: dict[int, int] = {}
+    for module, (_, params) in tracked.items():
+        for param in params:
+            key = id(module.get_parameter(param))
+            owners[key] = owners.get(key, 0) + 1
+    chosen: dict[tuple, nn.Module] = {}
+    decided_by: dict[nn.Module, nn.Module] = {}
+    for module, (rule, params) in tracked.items():
+        special = any(owners[id(module.get_parameter(p))] > 1 for p in params) or hasattr(rule, "layout")
+        chain, above = [], module
+        while above is not None:
+            special = special or _instance_code(above, own_hooks)
+            chain.append(type(above))
+            above = parents.get(above)
+        if special:
+            decided_by[module] = module
+            continue
+        key = (pattern_name(names.get(module, "")), tuple(chain), type(rule),
+               tuple((p, tuple(module.get_parameter(p).shape), module.get_parameter(p).dtype) for p in params),
+               tuple((n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters(recurse=False)))
+        decided_by[module] = chosen.setdefault(key, module)
+    return decided_by

@@ -1,0 +1,31 @@
+"""The max-model benchmark (issue 42) rehearsed at tiny scale: both modes train, the DP row carries the proof's
+own peak and time (in DP steps), and the largest fitting size is reported per mode."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import max_model  # noqa: E402
+
+
+def test_the_tiny_rehearsal_reports_both_modes_and_the_proofs_cost(tmp_path):
+    out = tmp_path / "max_model.json"
+    result = max_model.main(["--tiny", "--layers", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    rows = {row["mode"]: row for row in result["rows"]}
+    assert rows["nonprivate"]["fits"] and rows["dp"]["fits"]
+    dp = rows["dp"]
+    assert dp["probe_seconds"] > 0 and dp["probe_steps"] == dp["probe_seconds"] / dp["step_seconds"]
+    assert dp["probe_peak_bytes"] > 0 and dp["peak_bytes"] > 0
+    assert result["largest"] == {mode: {"layers": 1, "parameters": rows[mode]["parameters"]} for mode in rows}
+
+
+def test_a_trial_killed_above_the_cap_does_not_fit(tmp_path):
+    result = max_model.main(["--tiny", "--layers", "1", "--modes", "nonprivate", "--cap-gb", "0.01"])
+    assert result["rows"][0]["fits"] is False and "cap" in result["rows"][0]["why"]
+    assert result["largest"] == {}
