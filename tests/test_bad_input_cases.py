@@ -177,6 +177,12 @@ def test_13_check_refuses_what_finetune_would(override, key, capsys):
     refused(["check", str(QUICKSTART), override], capsys, key)
 
 
+def test_13_a_degenerate_sigma_is_refused_before_training(capsys):
+    """σ = 1e-9 trained and then crashed writing the ledger (issue 43); now one sentence before anything runs."""
+    refused(["check", str(QUICKSTART), "privacy.target_epsilon=null", "privacy.noise_multiplier=1e-9"], capsys,
+            "privacy.noise_multiplier")
+
+
 def test_13_check_is_fast_and_accepts_a_good_recipe(capsys):
     started = time.monotonic()
     code, err = cli(["check", str(QUICKSTART)], capsys)

@@ -205,3 +205,13 @@ def test_output_functional_loss_stays_available_to_users():
     model = tiny_llama()
     ids, mask = batch()
     assert output_functional_loss(model, {"input_ids": ids, "attention_mask": mask}).shape == (2,)
+
+
+def test_a_degenerate_sigma_is_answered_in_one_line_not_a_memory_error():
+    """σ = 0.001 asked the PLD accountant for a 224 GiB grid; now PLD says "not computed" and RDP bounds ε."""
+    from dptext.accounting import StepRun
+    from dptext.accounting.epsilon import compute_all
+
+    results = {r.method: r for r in compute_all([StepRun(1.0, 0.001, 30)], 0.01)}
+    assert results["pld"].epsilon is None and "below 0.03" in results["pld"].note
+    assert results["rdp"].epsilon > 1e6

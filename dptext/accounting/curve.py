@@ -14,7 +14,7 @@ import numpy as np
 from dptext.accounting.epsilon import check_methods
 from dptext.accounting.events import StepRun, check_delta, total_steps
 from dptext.accounting.gdp import gdp_epsilon
-from dptext.accounting.pld import pld_epsilon
+from dptext.accounting.pld import PldOutOfRange, pld_epsilon
 from dptext.accounting.prv import DEFAULT_EPS_ERROR, PrvCurve, PrvOutOfRange
 from dptext.accounting.rdp import rdp_epsilon
 
@@ -55,7 +55,10 @@ def epsilon_curves(runs: Sequence[StepRun], delta: float, methods: Sequence[str]
             values["lower"] = [b.lower for b in bounds] if bounds else [None] * len(steps)
             values["upper"] = [b.upper for b in bounds] if bounds else [None] * len(steps)
         elif method == "pld":  # composes once per point (~0.3 s each)
-            values["epsilon"] = [pld_epsilon(prefix_runs(runs, s), delta) for s in steps]
+            try:
+                values["epsilon"] = [pld_epsilon(prefix_runs(runs, s), delta) for s in steps]
+            except PldOutOfRange:  # σ below the grid's range: not computed, as PRV out of range
+                values["epsilon"] = [None] * len(steps)
             values["lower"] = values["upper"] = [None] * len(steps)
         else:
             account = rdp_epsilon if method == "rdp" else gdp_epsilon

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 
 from dptext.accounting.events import StepRun, check_delta
 from dptext.accounting.gdp import gdp_epsilon
-from dptext.accounting.pld import DISCRETIZATION, pld_epsilon
+from dptext.accounting.pld import DISCRETIZATION, PldOutOfRange, pld_epsilon
 from dptext.accounting.prv import DEFAULT_EPS_ERROR, PrvOutOfRange, prv_epsilon
 from dptext.accounting.rdp import rdp_epsilon
 from dptext.errors import UserError
@@ -76,8 +76,11 @@ def compute_epsilon(method: str, runs: Iterable[StepRun], delta: float, conversi
         return EpsilonResult("rdp", eps, note=f"{METHOD_NOTES['rdp']} ({conversion} conversion, order {order:g})",
                              detail={"order": order, "conversion": conversion})
     if method == "pld":
-        return EpsilonResult("pld", pld_epsilon(runs, delta), note=METHOD_NOTES["pld"],
-                             detail={"discretization": DISCRETIZATION})
+        try:
+            return EpsilonResult("pld", pld_epsilon(runs, delta), note=METHOD_NOTES["pld"],
+                                 detail={"discretization": DISCRETIZATION})
+        except PldOutOfRange as exc:
+            return EpsilonResult("pld", None, note=f"not computed, use the RDP bound: {exc}")
     if method == "gdp":
         eps, mu = gdp_epsilon(runs, delta)
         return EpsilonResult("gdp", eps, approximate=True, note=f"{METHOD_NOTES['gdp']} (μ={mu:.4g})",

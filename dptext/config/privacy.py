@@ -14,8 +14,10 @@ class PrivacyConfig:
         True, "Train with differential privacy; false gives the non-private baseline of the same recipe.")
     target_epsilon: Optional[float] = doc(8.0, "Target ε for the whole run; σ is calibrated to it.", gt=0)
     delta: Optional[float] = doc(None, "Target δ; empty means 1/(2n) for n training examples (Li et al.).", gt=0, lt=1)
-    noise_multiplier: Optional[float] = doc(None, "Use this σ instead of calibrating from target_epsilon.", gt=0,
-                                            excludes="privacy.target_epsilon")
+    noise_multiplier: Optional[float] = doc(
+        None, "Use this σ instead of calibrating from target_epsilon; at least 0.03 (below it ε is in the "
+        "thousands or beyond, a run with no meaningful privacy; use privacy.enabled=false for a non-private run).",
+        ge=0.03, excludes="privacy.target_epsilon")
     max_grad_norm: float = doc(0.1, "Per-example clipping norm C (Li et al. use 0.1); per user with unit=user.", gt=0)
     unit: Literal["example", "user"] = doc(
         "example", "The privacy unit ε is about: one example (record), or one user (every record with the same "
