@@ -127,15 +127,18 @@ def test_a_hook_on_one_layer_makes_it_its_own_representative_and_is_refused(proo
         engine.verify()
 
 
-@pytest.mark.parametrize("how", ["forward", "hook"])
+@pytest.mark.parametrize("how", ["forward", "hook", "setting"])
 def test_a_problem_in_the_second_of_two_parallel_blocks_is_found_by_comparing_it_itself(how):
     """Side by side, nothing wrong in block 1 reaches block 0's gradient: only block 1's own comparison sees it,
-    so per-instance code must make it its own representative (else it would share block 0's "exact")."""
+    so per-instance code or settings must make it its own representative (else it would share block 0's
+    "exact")."""
     model = Stack(parallel=True)
     second = model.blocks[1]
     if how == "forward":
         plain = second.forward
         second.forward = lambda h: MixRows.apply(plain(h))
+    elif how == "setting":  # the class's own code, switched on by a plain attribute of one instance
+        second.mix = True
     else:
         second.register_forward_hook(lambda module, args, output: MixRows.apply(output))
     engine = engine_for(model.double())

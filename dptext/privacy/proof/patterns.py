@@ -13,6 +13,10 @@ A layer is always its own representative when the key cannot describe what makes
 * its rule learns from the probe (the ``torch.func`` fallback learns, per layer, which inputs carry the batch);
 * it, or any module above it, has a forward replaced on the instance or a foreign hook (forward, backward,
   pre-hooks): such code is per instance, not per class.
+The key also holds each module's plain instance settings up the chain (``instance_settings``): a forward may branch
+on them, so Gemma's sliding-window and global layers are two patterns, and a block with ``self.mix = True`` is not
+the pattern-mate of one without. The block index (``layer_idx``) is left out: transformers use it to index caches
+and per-layer config lists, and keeping it would make every block its own pattern.
 Everything the probe checks structurally (in-place changes, rows that are not examples, expansions, parameters
 read outside their module, row and loss independence, buffers) still runs on every layer of the full model.
 """
@@ -41,6 +45,25 @@ def _instance_code(module: nn.Module, own_hooks: set[int]) -> bool:
     return any(key not in own_hooks for store in HOOK_STORES for key in getattr(module, store))
 
 
+PLAIN = (bool, int, float, str, type(None))
+# The one per-instance setting that differs between the blocks of every transformer and that its code uses to
+# index shared tables (caches, layer types in the config), not to choose how examples meet.
+INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx"})
+
+
+def instance_settings(module: nn.Module) -> tuple:
+    """The plain settings stored on the instance (``self.sliding_window = 4096``, ``self.mix = True``): a forward
+    may branch on them, so layers whose settings differ are different patterns (Gemma's sliding and global
+    layers). Tensors, modules and objects such as the config are not compared; the block index is left out."""
+    settings = []
+    for name, value in vars(module).items():
+        if name.startswith("_") or name in INDEX_NAMES:
+            continue
+        if isinstance(value, PLAIN) or (isinstance(value, tuple) and all(isinstance(v, PLAIN) for v in value)):
+            settings.append((name, value))
+    return tuple(sorted(settings, key=lambda item: item[0]))
+
+
 def representatives(model: nn.Module, tracked: dict[nn.Module, tuple[Any, tuple[str, ...]]],
                     names: dict[nn.Module, str], own_hooks: set[int] = frozenset()) -> dict[nn.Module, nn.Module]:
     """Each tracked module → the tracked module whose numeric comparison decides for it (itself for the first
@@ -62,7 +85,7 @@ def representatives(model: nn.Module, tracked: dict[nn.Module, tuple[Any, tuple[
         chain, above = [], module
         while above is not None:
             special = special or _instance_code(above, own_hooks)
-            chain.append(type(above))
+            chain.append((type(above), instance_settings(above)))
             above = parents.get(above)
         if special:
             decided_by[module] = module
