@@ -215,3 +215,21 @@ def test_a_degenerate_sigma_is_answered_in_one_line_not_a_memory_error():
     results = {r.method: r for r in compute_all([StepRun(1.0, 0.001, 30)], 0.01)}
     assert results["pld"].epsilon is None and "below 0.03" in results["pld"].note
     assert results["rdp"].epsilon > 1e6
+
+
+def test_a_learning_rate_zero_step_with_raw_gradients_is_refused_in_ghost_mode():
+    """lr 0 lets torch.distributed.checkpoint's zero-gradient step through, but with a raw gradient it would feed
+    momentum that a later engine step applies (red team, issue 43)."""
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    engine = PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=2,
+                           dataset_size=100, clipping_mode="ghost", verify=False)
+    with engine.recorder.paused():
+        lm_loss(model, *batch()).sum().backward()
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    with pytest.raises(UserError, match="stepped directly"):
+        optimizer.step()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # zero gradients at lr 0: inert, as DCP's state initialisation

@@ -47,6 +47,17 @@ class Block(nn.Module):
         return MixRows.apply(out) if self.mix else out
 
 
+class BufferSwitched(nn.Module):
+    def __init__(self, width: int, on: bool):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.register_buffer("switch", torch.tensor([1.0 if on else 0.0]))
+
+    def forward(self, h):
+        out = self.fc(h)
+        return MixRows.apply(out) if bool(self.switch > 0) else out
+
+
 class Stack(nn.Module):
     """Embedding → two blocks of one class, in sequence or side by side (``parallel``: each reads the embedding
     and their outputs are added, so nothing in the second block reaches the first one's gradient); ``mix`` makes
@@ -127,7 +138,7 @@ def test_a_hook_on_one_layer_makes_it_its_own_representative_and_is_refused(proo
         engine.verify()
 
 
-@pytest.mark.parametrize("how", ["forward", "hook", "setting"])
+@pytest.mark.parametrize("how", ["forward", "hook", "setting", "list", "buffer"])
 def test_a_problem_in_the_second_of_two_parallel_blocks_is_found_by_comparing_it_itself(how):
     """Side by side, nothing wrong in block 1 reaches block 0's gradient: only block 1's own comparison sees it,
     so per-instance code or settings must make it its own representative (else it would share block 0's
@@ -139,6 +150,11 @@ def test_a_problem_in_the_second_of_two_parallel_blocks_is_found_by_comparing_it
         second.forward = lambda h: MixRows.apply(plain(h))
     elif how == "setting":  # the class's own code, switched on by a plain attribute of one instance
         second.mix = True
+    elif how == "list":
+        second.mix = [True]
+    elif how == "buffer":  # the switch is a buffer of the instance
+        model.blocks = nn.ModuleList(BufferSwitched(6, on) for on in (False, True))
+        second = model.blocks[1]
     else:
         second.register_forward_hook(lambda module, args, output: MixRows.apply(output))
     engine = engine_for(model.double())

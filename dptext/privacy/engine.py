@@ -143,9 +143,12 @@ class PrivacyEngine:
         self._step_guard = optimizer.register_step_pre_hook(self._refuse_foreign_step)
 
     def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        # A step at learning rate 0 changes nothing: torch.distributed.checkpoint creates optimizer state that way
-        # (zero gradients, lr 0) before loading a sharded checkpoint.
-        inert = all(float(group.get("lr", 1.0)) == 0.0 for group in optimizer.param_groups)
+        # A step at learning rate 0 with no gradient changes nothing: torch.distributed.checkpoint creates optimizer
+        # state that way (zero gradients, lr 0) before loading a sharded checkpoint. With a gradient it is not inert:
+        # momentum and Adam's moments would take in raw gradients that a later step applies.
+        inert = all(float(group.get("lr", 1.0)) == 0.0 and all(p.grad is None or not bool(p.grad.any())
+                                                                 for p in group["params"])
+                    for group in optimizer.param_groups)
         if not self.dp_optimizer.updating and not inert:
             raise UserError("The optimizer given to the privacy engine was stepped directly, which would apply "
                             "gradients the engine did not clip or noise; call engine.step() instead (or "

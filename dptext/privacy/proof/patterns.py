@@ -51,16 +51,25 @@ PLAIN = (bool, int, float, str, type(None))
 INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx"})
 
 
+SMALL_BUFFER = 1 << 16  # buffers up to this many entries are compared by value, larger ones by shape and dtype
+
+
 def instance_settings(module: nn.Module) -> tuple:
-    """The plain settings stored on the instance (``self.sliding_window = 4096``, ``self.mix = True``): a forward
-    may branch on them, so layers whose settings differ are different patterns (Gemma's sliding and global
-    layers). Tensors, modules and objects such as the config are not compared; the block index is left out."""
-    settings = []
+    """The plain settings stored on the instance (``self.sliding_window = 4096``, ``self.mix = True``, lists and
+    tuples of such values) and its own buffers (by value when small): a forward may branch on them, so layers
+    whose settings differ are different patterns (Gemma's sliding and global layers). Modules and objects such as
+    the config are not compared; the block index is left out (docs/privacy_engine.md says what that leaves)."""
+    settings: list[tuple] = []
     for name, value in vars(module).items():
         if name.startswith("_") or name in INDEX_NAMES:
             continue
-        if isinstance(value, PLAIN) or (isinstance(value, tuple) and all(isinstance(v, PLAIN) for v in value)):
-            settings.append((name, value))
+        if isinstance(value, PLAIN) or (isinstance(value, (tuple, list)) and all(isinstance(v, PLAIN) for v in value)):
+            settings.append((name, tuple(value) if isinstance(value, list) else value))
+    for name, buffer in module._buffers.items():
+        if buffer is None:
+            continue
+        content = tuple(buffer.detach().reshape(-1).tolist()) if buffer.numel() <= SMALL_BUFFER else None
+        settings.append((name, tuple(buffer.shape), str(buffer.dtype), content))
     return tuple(sorted(settings, key=lambda item: item[0]))
 
 
