@@ -146,10 +146,12 @@ class PrivacyEngine:
         # A step at learning rate 0 with no gradient changes nothing: torch.distributed.checkpoint creates optimizer
         # state that way (zero gradients, lr 0) before loading a sharded checkpoint. With a gradient it is not inert:
         # momentum and Adam's moments would take in raw gradients that a later step applies.
+        if self.dp_optimizer.updating:  # the engine's own update: nothing to scan (no per-step cost)
+            return
         inert = all(float(group.get("lr", 1.0)) == 0.0 and all(p.grad is None or not bool(p.grad.any())
                                                                  for p in group["params"])
                     for group in optimizer.param_groups)
-        if not self.dp_optimizer.updating and not inert:
+        if not inert:
             raise UserError("The optimizer given to the privacy engine was stepped directly, which would apply "
                             "gradients the engine did not clip or noise; call engine.step() instead (or "
                             "engine.detach() to train without privacy).")
@@ -218,8 +220,7 @@ class PrivacyEngine:
         self.dp_optimizer.param_names = self.param_names()
         self.verified = False
         if verify:
-            old_batch, old_loss = self._probe_args or (None, None)
-            self.verify(make_batch or old_batch, loss_fn or old_loss)
+            self.verify(make_batch, loss_fn)  # falls back to the last verify()'s arguments
 
     def verify(self, make_batch=None, loss_fn=None, **options):
         """Run the start-up probe (``dptext.privacy.verify.probe``) on synthetic inputs; refuse on any mismatch.

@@ -82,9 +82,9 @@ class Reference:
     holding all of them (B model-sized fp64 copies) made the probe's peak 14.8 fp32 model sizes on a random
     36M-parameter Llama, 9.2 without (``benchmarks/probe_memory.py``)."""
 
-    def __init__(self, engine, batch, loss_fn, device, params: list[nn.Parameter] | None = None,
+    def __init__(self, engine, batch, loss_fn, device, params: list[nn.Parameter],
                  other_norms_sq: dict[nn.Parameter, Tensor] | None = None):
-        params = list(engine.params if params is None else params)
+        params = list(params)
         others = other_norms_sq or {}
         squares: list[dict[nn.Parameter, Tensor]] = []
         self.params = params
@@ -134,7 +134,7 @@ def squared_norm(gradient: Tensor) -> Tensor:
     return parts.double().sum().reshape(1)
 
 
-def reference_gradients(engine, batch, loss_fn, device, params=None, other_norms_sq=None) -> Reference:
+def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=None) -> Reference:
     """The reference for one probe batch (``Reference``); a failure of plain autograd is ``ReferenceFailed``."""
     try:
         return Reference(engine, batch, loss_fn, device, params, other_norms_sq)
@@ -299,8 +299,8 @@ def check_loss_independence(engine, report, batch, redraw, loss_fn, device, loss
     the last bits wherever a kernel takes another path when its weights require gradients (seen on Longformer in
     fp32), and that must not read as examples interacting, nor widen the tolerance that catches real ones."""
     for example in range(len(loss)):
-        other = plain_loss(engine, redraw(example), loss_fn, device)
-        if other.shape != loss.shape or not same_values(other[others(loss, example)], loss[others(loss, example)]):
+        other, keep = plain_loss(engine, redraw(example), loss_fn, device), others(loss, example)
+        if other.shape != loss.shape or not same_values(other[keep], loss[keep]):
             report.loss_problem = LOSSES_INTERACT
             return
 
@@ -360,14 +360,13 @@ def plain_loss(engine, batch, loss_fn, device) -> Tensor:
         raise ReferenceFailed(type(error).__name__) from error
 
 
-def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by=None) -> None:
+def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> None:
     """One synthetic batch; ``redraw(j)`` gives it with example j re-drawn (None: one example, nothing to check).
 
     ``decided_by`` maps each tracked layer to the one whose numeric comparison decides for it
-    (``proof.patterns.representatives``; None: every layer compared). The engine's pass runs before the
+    (``proof.patterns.representatives``). The engine's pass runs before the
     reference, whose all-layer coefficients need the engine's norms of the layers not compared; a reference that
     fails itself still speaks first (nothing can be proven then), so a check that stops early runs it too."""
-    decided_by = decided_by or {module: module for module in engine.tracked}
     compared = list(dict.fromkeys(module.get_parameter(name) for module, rep in decided_by.items() if rep is module
                                   for name in engine.tracked[module][1]))
 
@@ -403,7 +402,8 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by=None) -
         raise
     norms_sq, sums = engine.last_norms_sq, engine.clipped_grads()
     engine.zero_grad()
-    rest = {p: n for p, n in (norms_sq or {}).items() if p not in set(compared)}
+    compared_set = set(compared)
+    rest = {p: n for p, n in (norms_sq or {}).items() if p not in compared_set}
     reference = reference_gradients(engine, batch, loss_fn, device, compared, rest)
     if not same_values(loss.detach(), reference.loss):
         for module, _, _ in engine.recorder.expansions:

@@ -111,7 +111,8 @@ def check_trainable_set(engine) -> None:
     planned parameter must still be the model's (``load_state_dict(assign=True)`` or a dtype conversion that makes
     new Parameter objects would leave the optimizer updating the old ones)."""
     planned = set(engine.params)
-    present = {id(param) for param in engine.model.parameters()}
+    named = list(engine.model.named_parameters())
+    present = {id(param) for _, param in named}
     names = engine.dp_optimizer.param_names
     for param in engine.params:
         if id(param) not in present:
@@ -119,7 +120,7 @@ def check_trainable_set(engine) -> None:
             raise UserError(f"Parameter '{names.get(param, tuple(param.shape))}' of the privacy engine's plan is no "
                             "longer in the model (replaced by load_state_dict(assign=True), a dtype conversion or a "
                             "new module), so the optimizer would update a stale copy; call engine.replan().")
-    for name, param in engine.model.named_parameters():
+    for name, param in named:
         if param.requires_grad and param not in planned:
             engine.dp_optimizer.zero_grad()
             raise UserError(f"Parameter '{name}' became trainable after the privacy engine planned its "
