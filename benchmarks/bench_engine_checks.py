@@ -21,7 +21,7 @@ import torch
 
 from dptext.models import load_model
 from dptext.privacy import PrivacyEngine, causal_lm_loss
-from dptext.privacy import clipping
+from dptext.privacy.clipping.sums import sums as clipping
 
 
 def main() -> None:

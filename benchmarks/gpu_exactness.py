@@ -36,7 +36,7 @@ Tolerances (``TOLERANCE``):
   1.5e-3 and 1.2e-2), 0.15 for ``layer`` (measured: at most 5.8e-2, ghost mode with LoRA adapters, whose gradients
   are small and cancel across tokens, so that bf16 rounding of the larger terms is a larger share of them). 2e-2 is
   also the engine's
-  own slack for sums formed in bf16 in its per-step invariant (``dptext.privacy.clipping.invariant_tolerance``).
+  own slack for sums formed in bf16 in its per-step invariant (``dptext.privacy.clipping.sums.invariant_tolerance``).
   bf16 cells also record ``error_vs_fp64``, the same numbers against the exact math (not gated: that is bf16's
   own error, measured at most 1.5e-2 for ``sum`` on the CPU).
 

@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from dptext.privacy import parallel_noise
+from dptext.privacy.noise import parallel_noise
 from dptext.privacy.norms import linear
 from dptext.privacy import PrivacyEngine
-from dptext.privacy.optimizer import DPOptimizer, NoiseSource
-from dptext.privacy.randomness import RandomRoot
+from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.noise.randomness import RandomRoot
 
 
 def test_in_place_noise_step_draws_the_same_gradient_and_leaves_the_clipped_sums_alone():

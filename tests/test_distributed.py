@@ -189,8 +189,8 @@ def test_shards_are_fixed_by_index_and_cover_the_data(two_ranks):
 
 
 def test_ranks_poisson_sample_their_shards_independently_at_the_global_rate():
-    from dptext.privacy.distributed import DistributedContext
-    from dptext.privacy.sampler import make_sampler
+    from dptext.privacy.sharding.distributed import DistributedContext
+    from dptext.privacy.sampling.sampler import make_sampler
 
     n, q, steps = 50, 0.3, 2000
     draws = []

@@ -152,8 +152,8 @@ def ghost_reduction_guarded(ctx) -> dict:
     rank, a rank with an empty micro-batch included."""
     from dptext.errors import UserError
     from dptext.privacy import PrivacyEngine
-    from dptext.privacy.clipped_step import ghost_join
-    from dptext.privacy.fsdp_controls import fsdp_modules
+    from dptext.privacy.clipping.clipped_step import ghost_join
+    from dptext.privacy.sharding.fsdp_controls import fsdp_modules
 
     model = shard(tiny_lm(), ctx)
 
@@ -192,7 +192,7 @@ def sync_settings_kept(ctx) -> list:
     """A caller's own FSDP2 sync setting (all-reduce off, as HSDP's gradient accumulation sets it) survives a ghost
     micro-batch, whose norm pass turns gradient sync off and then back to what it was, not simply on."""
     from dptext.privacy import PrivacyEngine
-    from dptext.privacy.fsdp_controls import fsdp_modules
+    from dptext.privacy.sharding.fsdp_controls import fsdp_modules
 
     model = shard(tiny_lm(), ctx)
     for module in fsdp_modules(model):
@@ -308,8 +308,8 @@ def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ra
 
 @pytest.mark.parametrize("mode", ["bookkeeping", "ghost"])  # ghost's sums arrive reduce-scattered: the same noise
 def test_each_coordinate_is_noised_once_with_std_sigma_c(two_ranks, mode):
-    from dptext.privacy.randomness import RandomRoot
-    from dptext.privacy.sharded import ShardedNoise
+    from dptext.privacy.noise.randomness import RandomRoot
+    from dptext.privacy.sharding.sharded import ShardedNoise
 
     noise = ShardedNoise(RandomRoot(NOISE_SEED))  # what one process with the same key draws, coordinate by coordinate
     noise.reseed_if_secure()
@@ -325,8 +325,8 @@ def test_each_coordinate_is_noised_once_with_std_sigma_c(two_ranks, mode):
 
 
 def test_noise_blocks_do_not_repeat_across_parameters_steps_or_blocks():
-    from dptext.privacy.randomness import RandomRoot
-    from dptext.privacy.sharded import BLOCK, ShardedNoise
+    from dptext.privacy.noise.randomness import RandomRoot
+    from dptext.privacy.sharding.sharded import BLOCK, ShardedNoise
 
     noise = ShardedNoise(RandomRoot(1))
     noise.reseed_if_secure()

@@ -31,7 +31,7 @@ from dptext.integrations.poisson_batches import PoissonBatches  # noqa: E402
 from dptext.integrations.trainer_losses import causal_lm_loss_fn  # noqa: E402
 from dptext.integrations.trainer_checks import refuse_unsupported_arguments, refuse_unsupported_launch  # noqa: E402
 from dptext.models import load_model  # noqa: E402
-from dptext.privacy.sampler import make_sampler  # noqa: E402
+from dptext.privacy.sampling.sampler import make_sampler  # noqa: E402
 from two_ranks import torchrun_failure  # noqa: E402
 
 N, LR, C = 24, 0.5, 0.05

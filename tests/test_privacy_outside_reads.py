@@ -1,6 +1,6 @@
 """A tracked weight read outside its module (issue 14, pattern 3), at every step and without the probe.
 
-Ghost mode: the structural check (``dptext.privacy.outside_reads``) stops the step before any backward pass,
+Ghost mode: the structural check (``dptext.privacy.proof.outside_reads``) stops the step before any backward pass,
 naming the parameter, and accepts the same model when the read goes through the owning module (exact against
 brute-force per-example autograd). Book-keeping and per_sample: the read gets no gradient (a dropped path); the
 clipped sums then equal brute force on the model with that read detached, and removing one example moves them

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dptext.privacy import PoissonSampler, PrivacyEngine, ShuffleSampler
-from dptext.privacy.sampler import SHUFFLE_WARNING
+from dptext.privacy.sampling.sampler import SHUFFLE_WARNING
 
 
 def test_poisson_batches_have_mean_qn_and_binomial_spread():

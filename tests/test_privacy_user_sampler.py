@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dptext.privacy.randomness import RandomRoot
-from dptext.privacy.user_sampler import UserPoissonSampler, make_user_sampler
+from dptext.privacy.noise.randomness import RandomRoot
+from dptext.privacy.sampling.user_sampler import UserPoissonSampler, make_user_sampler
 
 
 def sizes_of(users: int, seed: int = 0) -> list[list[int]]:

@@ -16,9 +16,9 @@ from torch import nn
 from dptext.errors import UserError
 from dptext.models import load_model
 from dptext.privacy import PrivacyEngine
-from dptext.privacy import verify as verify_module
+from dptext.privacy.proof import verify as verify_module
 from dptext.privacy.proof.patterns import pattern_name, representatives
-from dptext.privacy.verify import output_functional_loss, synthetic_token_batch
+from dptext.privacy.proof.verify import output_functional_loss, synthetic_token_batch
 
 CLIP = 0.05
 

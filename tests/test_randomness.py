@@ -12,7 +12,7 @@ from torch import nn
 
 from dptext.errors import UserError
 from dptext.privacy import PrivacyEngine
-from dptext.privacy.randomness import CHILDREN, RandomRoot
+from dptext.privacy.noise.randomness import CHILDREN, RandomRoot
 
 N, Q, SIGMA, C = 400, 0.05, 2.0, 1.0
 

@@ -18,7 +18,7 @@ from dptext.finetune.loop import train_step
 from dptext.finetune.setup import build_training
 from dptext.data.users import user_groups
 from dptext.finetune.user_level import micro_batches_by_user
-from dptext.privacy.user_sampler import UserBatch
+from dptext.privacy.sampling.user_sampler import UserBatch
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import torch
 @contextmanager
 def check_fails_on_rank_1(rank: int):
     """The per-step invariant forced to fail on rank 1 only, as when the examples that break it sit on one rank."""
-    from dptext.privacy import step_checks
+    from dptext.privacy.proof import step_checks
 
     real = step_checks.clipping.check_clipped_sums
     if rank == 1:

@@ -32,7 +32,7 @@ def check(
 
     out = make_output(json_mode)
     if model is not None:
-        from dptext.privacy.model_check import check_model
+        from dptext.privacy.proof.model_check import check_model
 
         result = check_model(model, head=head, clipping_mode=clipping_mode, clipping_layout=clipping_layout,
                              num_labels=2 if head == "sequence_classification" else None)

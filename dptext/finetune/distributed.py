@@ -6,7 +6,7 @@ Launch (CPU: gloo; GPU: NCCL, one process per GPU)::
 
 Without torchrun (no ``WORLD_SIZE`` > 1 in the environment) ``current()`` is a world of one and everything runs
 in one process. How the privacy of the distributed step equals the single-process one (sharding, the all-reduce
-of clipped sums, noise drawn once on rank 0) is the mechanism's business: ``dptext.privacy.distributed``. Here:
+of clipped sums, noise drawn once on rank 0) is the mechanism's business: ``dptext.privacy.sharding.distributed``. Here:
 the process group (initialised once from torchrun's environment, destroyed at the end), the run-level
 collectives (checkpoint state gathered to rank 0, rank 0's weights broadcast, logged numbers and the
 non-private gradient averaged), rank 0 as the only writer and what the other ranks see of the run directory.
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from dptext.errors import UserError
 from dptext.output import Output, Progress
-from dptext.privacy.distributed import DistributedContext
+from dptext.privacy.sharding.distributed import DistributedContext
 from dptext.runs import RunDir
 
 TIMEOUT = datetime.timedelta(minutes=30)

@@ -26,7 +26,7 @@ from dptext.finetune import sharded_checkpoint, sharding
 from dptext.finetune.selection import save_best
 from dptext.finetune.seeds import capture_rng_state, restore_rng_state
 from dptext.finetune.user_level import micro_batches_by_user, shortest_users_first
-from dptext.privacy.user_sampler import UserBatch
+from dptext.privacy.sampling.user_sampler import UserBatch
 from dptext.runs import RunDir
 
 

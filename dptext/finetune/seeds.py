@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from dptext.errors import UserError
-from dptext.privacy.randomness import RandomRoot
+from dptext.privacy.noise.randomness import RandomRoot
 
 
 def seed_everything(seed: int, child: str = "init", rank: int = 0) -> None:

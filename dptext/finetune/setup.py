@@ -29,7 +29,7 @@ from dptext.finetune.user_level import check_user_level
 from dptext.finetune.validate import check_records
 from dptext.models import load_tokenizer
 from dptext.privacy import PrivacyEngine
-from dptext.privacy.sampler import make_sampler
+from dptext.privacy.sampling.sampler import make_sampler
 from dptext.tasks import build_task
 
 CPU_PHYSICAL_BATCH = 16  # CPU RAM is rarely the limit at these model sizes; an OOM there kills the process

@@ -2,7 +2,7 @@
 
 The model is wrapped with ``torch.distributed.fsdp.fully_shard``, each transformer block and then the root, after
 the start-up probe verified the engine on the whole model and before the optimizer and the engine are built on
-the sharded parameters (the privacy side: ``dptext.privacy.sharded``). Every rank must then run the same
+the sharded parameters (the privacy side: ``dptext.privacy.sharding.sharded``). Every rank must then run the same
 collectives in the same order, so each logical step runs the same number of micro-batches on every rank (the
 shorter ranks run empty ones), every rank evaluates, and checkpoints are written by every rank with
 ``torch.distributed.checkpoint`` (``dptext.finetune.sharded_checkpoint``).
@@ -19,8 +19,8 @@ from torch import nn
 from dptext.errors import UserError
 from dptext.finetune.task_probe import verify_with_task
 from dptext.privacy import PrivacyEngine
-from dptext.privacy.clipped_step import ghost_join
-from dptext.privacy.fsdp_controls import check_ghost_supported
+from dptext.privacy.clipping.clipped_step import ghost_join
+from dptext.privacy.sharding.fsdp_controls import check_ghost_supported
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

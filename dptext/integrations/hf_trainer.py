@@ -159,7 +159,7 @@ class DPTrainer(Trainer):
         if self.process_group.active:
             # The Trainer's flag for "the model owns its gradient reduction": accelerate then prepares the model
             # without wrapping it in DDP (whose all-reduce of raw gradients would bypass the engine's); the
-            # engine all-reduces the clipped sums and rank 0 adds the noise (dptext.privacy.distributed).
+            # engine all-reduces the clipped sums and rank 0 adds the noise (dptext.privacy.sharding.distributed).
             self.is_distributed_loading_by_transformers = True
         self.add_callback(PrivacyCallback(self))
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dptext.privacy.edp import EDPEngine
 from dptext.privacy.engine import PrivacyEngine
 from dptext.privacy.losses import causal_lm_loss, per_example_loss
-from dptext.privacy.optimizer import DPOptimizer
-from dptext.privacy.sampler import PoissonSampler, ShuffleSampler
-from dptext.privacy.user_sampler import UserBatch, UserPoissonSampler
+from dptext.privacy.noise.optimizer import DPOptimizer
+from dptext.privacy.sampling.sampler import PoissonSampler, ShuffleSampler
+from dptext.privacy.sampling.user_sampler import UserBatch, UserPoissonSampler
 
 __all__ = ["DPOptimizer", "EDPEngine", "PoissonSampler", "PrivacyEngine", "ShuffleSampler", "UserBatch",
            "UserPoissonSampler", "causal_lm_loss", "per_example_loss"]

@@ -40,13 +40,13 @@ from torch import Tensor, nn
 
 from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.errors import UserError
-from dptext.privacy.clipping import STABILITY
-from dptext.privacy.edp_probe import probe_edp
+from dptext.privacy.clipping.sums import STABILITY
+from dptext.privacy.proof.edp_probe import probe_edp
 from dptext.privacy.engine import PrivacyEngine
-from dptext.privacy.optimizer import DPOptimizer, NoiseSource
-from dptext.privacy.plan import _check_optimizer
-from dptext.privacy.randomness import RandomRoot, keyed_hash, randomness_note
-from dptext.privacy.sampler import make_sampler
+from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.clipping.plan import _check_optimizer
+from dptext.privacy.noise.randomness import RandomRoot, keyed_hash, randomness_note
+from dptext.privacy.sampling.sampler import make_sampler
 
 SCALINGS = ("uniform", "public", "first_step")
 ALPHA_FLOOR = 1e-3
@@ -170,7 +170,7 @@ class EDPEngine:
         return [i for i, slot in enumerate(self.slot_table) if slot % world == rank]
 
     def verify(self, make_batch=None, loss_fn=None, **options) -> None:
-        """The start-up probe (``dptext.privacy.edp_probe``): per-slot clipping against brute-force autograd on
+        """The start-up probe (``dptext.privacy.proof.edp_probe``): per-slot clipping against brute-force autograd on
         synthetic inputs (``make_batch(B, T, generator)``, ``loss_fn(model, batch)`` as for PrivacyEngine)."""
         probe_edp(self, make_batch, loss_fn, **options)
         self.verified = True

@@ -7,7 +7,7 @@ those of the sampler and noise that really ran.
 
 Privacy settings: noise_multiplier σ, max_grad_norm C, sample_rate q (or expected batch size B = qn),
 the sampler (Poisson only: shuffling is not what the accountant covers, so it is refused), and the randomness:
-sampler and noise draw from separate children of one root (``dptext.privacy.randomness``), secret by default.
+sampler and noise draw from separate children of one root (``dptext.privacy.noise.randomness``), secret by default.
 Settings that do not change privacy: clipping_mode, clipping_layout's implementation, micro-batch size, dtype.
 
 Clipping modes (same clipped sums, different cost):
@@ -38,20 +38,20 @@ from torch import Tensor, nn
 from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsilon
 from dptext.accounting.calibrate import check_training_accountant
 from dptext.errors import UserError
-from dptext.privacy.capture import UseRecorder
-from dptext.privacy.clipped_step import clip_recorded, exact_arithmetic, ghost_backward
-from dptext.privacy.optimizer import DPOptimizer, NoiseSource
-from dptext.privacy.outside_reads import OutsideReads
-from dptext.privacy.plan import (_check_choice, _check_optimizer, _module_names, _sampling_numbers,
+from dptext.privacy.clipping.capture import UseRecorder
+from dptext.privacy.clipping.clipped_step import clip_recorded, exact_arithmetic, ghost_backward
+from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.proof.outside_reads import OutsideReads
+from dptext.privacy.clipping.plan import (_check_choice, _check_optimizer, _module_names, _sampling_numbers,
                                  find_tracked_modules, global_hook_keys, unproven_rules)
-from dptext.privacy.randomness import RandomRoot, randomness_note
-from dptext.privacy.sampler import make_sampler
-from dptext.privacy.fsdp_controls import check_no_other_ghost_engine, whole_weights
-from dptext.privacy.sharded import noise_site, sharded_optimizer
-from dptext.privacy.step_checks import check_no_foreign_backward, check_trainable_set, parameter_names
-from dptext.privacy.units import LogicalBatchUnits, unit_index
-from dptext.privacy.user_sampler import UserPoissonSampler, make_user_sampler
-from dptext.privacy.verify import probe as verify_probe
+from dptext.privacy.noise.randomness import RandomRoot, randomness_note
+from dptext.privacy.sampling.sampler import make_sampler
+from dptext.privacy.sharding.fsdp_controls import check_no_other_ghost_engine, whole_weights
+from dptext.privacy.sharding.sharded import noise_site, sharded_optimizer
+from dptext.privacy.proof.step_checks import check_no_foreign_backward, check_trainable_set, parameter_names
+from dptext.privacy.clipping.units import LogicalBatchUnits, unit_index
+from dptext.privacy.sampling.user_sampler import UserPoissonSampler, make_user_sampler
+from dptext.privacy.proof.verify import probe as verify_probe
 
 CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
 FIXED_SETTING = ("{} is fixed when the privacy engine is built (the noise drawn, the per-step check and the "
@@ -78,7 +78,7 @@ class PrivacyEngine:
     ``secure_rng=True`` also re-seeds the noise from the OS before every step.
     ``ledger``, a ``dptext.accounting.PrivacyLedger`` (its ``record_step``) or any callable, is called as
     ``record_step(sample_rate=q, noise_multiplier=σ)`` after every noisy step. ``distributed``, a
-    ``dptext.privacy.distributed.DistributedContext``, makes it one of N processes (torchrun): its sampler covers
+    ``dptext.privacy.sharding.distributed.DistributedContext``, makes it one of N processes (torchrun): its sampler covers
     this rank's shard, clipped sums are all-reduced and rank 0 adds the noise (see that module).
     """
 
@@ -223,7 +223,7 @@ class PrivacyEngine:
             self.verify(make_batch, loss_fn)  # falls back to the last verify()'s arguments
 
     def verify(self, make_batch=None, loss_fn=None, **options):
-        """Run the start-up probe (``dptext.privacy.verify.probe``) on synthetic inputs; refuse on any mismatch.
+        """Run the start-up probe (``dptext.privacy.proof.verify.probe``) on synthetic inputs; refuse on any mismatch.
 
         Returns the per-layer report. ``replan()`` re-runs it with the same arguments. Without ``make_batch``
         and ``loss_fn`` it uses those given to the constructor (``probe_batch``, ``probe_loss``), else random
@@ -250,7 +250,7 @@ class PrivacyEngine:
         """Backward pass for one (micro-)batch: adds its clipped per-example gradients to the logical batch.
 
         ``units`` (user-level DP): the privacy unit of each example; each unit's summed gradient is clipped to C as
-        one vector (``privacy/units.py``), and all of a unit's examples must come in one call. None: one unit per
+        one vector (``privacy/clipping/units.py``), and all of a unit's examples must come in one call. None: one unit per
         example. Returns the whole-model gradient norms before clipping (for logging): one per unit in sorted id
         order, or per example in batch order where every unit is one example."""
         if per_example_loss.ndim != 1:
@@ -307,7 +307,7 @@ class PrivacyEngine:
         return make_sampler(self.dataset_size, self.sample_rate, steps, self.root, self.sampling, self.distributed)
 
     def user_sampler(self, users: list[list[int]], max_examples_per_user: int, steps: int) -> UserPoissonSampler:
-        """User-level Poisson batches (``privacy/user_sampler.py``) at this engine's rate, from its sampler stream:
+        """User-level Poisson batches (``privacy/sampling/user_sampler.py``) at this engine's rate, from its sampler stream:
         the engine's dataset_size must count users (q is over users); pass each batch's ``users`` as ``units``."""
         if self.dataset_size != len(users):
             raise UserError(f"The engine is accounted for {self.dataset_size} units but {len(users)} users were "

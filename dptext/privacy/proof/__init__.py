@@ -1,8 +1,12 @@
-"""The proof: how the engine shows, before any private example, that its clipping is exact for this model.
+"""The proof: how the engine shows, before any private example, that its clipping is exact for this model —
+and, at every step, that nothing it did not see has changed since (docs/privacy_engine.md, "Fail closed").
 
-``patterns`` groups the tracked layers by *use pattern* (the same classes, parameters, rule and code path at the
-same place of a repeated block), so the start-up probe (``dptext.privacy.verify``) compares one representative
-of each pattern with brute-force per-example autograd and lets the others share its verdict, while every layer
-still gets the structural checks. That keeps the proof's cost near one training step at any depth
-(docs/privacy_engine.md, "What the proof covers").
+- ``verify``: the start-up probe — the engine against brute-force per-example autograd on synthetic inputs.
+- ``patterns``: use patterns — which tracked layers share one representative's numeric verdict, so the proof costs
+  about one training step at any depth ("What the proof covers").
+- ``probe_checks``: the probe's checks, one synthetic batch at a time (loss and row independence, clipped sums).
+- ``in_place``, ``outside_reads``: in-place changes and reads of tracked parameters outside their modules.
+- ``step_checks``: the checks the engine makes at every step (the plan still holds, no foreign backward or hook).
+- ``edp_probe``: the same proof for eDP-SGD's per-slot clipping.
+- ``model_check``: ``dptext check --model``, the probe reported layer by layer.
 """

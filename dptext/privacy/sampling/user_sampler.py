@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from dptext.privacy.randomness import RandomRoot, as_root
+from dptext.privacy.noise.randomness import RandomRoot, as_root
 
 
 class UserBatch(NamedTuple):

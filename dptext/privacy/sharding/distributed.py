@@ -12,7 +12,7 @@ How the privacy of the distributed step is kept equal to the single-process one 
   Poisson-sampled there with the global rate q by that rank's own generator. The union of the ranks' samples
   is a Poisson sample of the whole set with rate q, so the ledger accounts q = B/n with B the expected global
   batch. Adding or removing one example changes only its own rank's batch. Each rank's sampler draws from its
-  own child of the random root (``dptext.privacy.randomness``, spawn key (sampler, rank)), never an offset seed
+  own child of the random root (``dptext.privacy.noise.randomness``, spawn key (sampler, rank)), never an offset seed
   and never the noise's stream.
 * **Clipping is local.** Each rank clips its own examples with the engine's clipping mode (or, for eDP-SGD,
   its own micro-batches); the clipped sums are all-reduced (summed) in one flat buffer.
@@ -48,7 +48,7 @@ class DistributedContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    sharded: bool = False  # FSDP2 (train.sharding=fsdp): each rank owns rows of every parameter (privacy/sharded.py)
+    sharded: bool = False  # FSDP2 (train.sharding=fsdp): each rank owns rows of every parameter (privacy/sharding/sharded.py)
 
     @property
     def active(self) -> bool:

@@ -10,7 +10,7 @@ Fail closed (SPEC §2 (a)–(c), docs/privacy_engine.md):
   pre-hook on the model), never from a layer's shape. Each use carries ``units``, the privacy unit of each of its
   rows (``arange(B)``: one example per row); a use whose rows are not the batch's examples (experts fed gathered
   tokens, a sequence-first layer) stops the step naming the layer. With user-level DP the engine maps these rows
-  on to users before clipping (``privacy/units.py``: a unit's rows summed with Gram cross terms, as tied weights).
+  on to users before clipping (``privacy/clipping/units.py``: a unit's rows summed with Gram cross terms, as tied weights).
 * **Our hook runs first** (``prepend=True``) and binds keyword inputs to the forward's signature, so the recorded
   output is the one the weight produced, even when other hooks rewrite it afterwards; a module called with more
   inputs than its rule describes is refused unless the start-up probe verified it (``verified``).
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, tensors_in
+from dptext.privacy.proof.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, tensors_in
 from dptext.privacy.norms import MODEL_PATCHES
 
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy import clipping
-from dptext.privacy.plan import global_hook_keys
+from dptext.privacy.clipping import sums as clipping
+from dptext.privacy.clipping.plan import global_hook_keys
 
 
 def checked_uses(engine, per_example_loss: Tensor) -> list | None:

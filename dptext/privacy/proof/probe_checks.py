@@ -1,4 +1,4 @@
-"""The checks of the start-up probe (``dptext.privacy.verify``), one synthetic batch at a time.
+"""The checks of the start-up probe (``dptext.privacy.proof.verify``), one synthetic batch at a time.
 
 ``probe_one`` runs them in order: the plain loss (its shape, buffers left alone), the hooked forward with its
 structural checks (in-place outputs, rows that are not examples, batch-1 expansions, parameters read outside
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from dptext.errors import UserError
-from dptext.privacy import clipping
+from dptext.privacy.clipping import sums as clipping
 
 RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
 DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"

@@ -1,6 +1,6 @@
 """The DP step when the model is sharded with FSDP2 (``train.sharding: fsdp``; docs/sharding.md).
 
-What changes against ``dptext.privacy.distributed`` (every rank holds the whole model):
+What changes against ``dptext.privacy.sharding.distributed`` (every rank holds the whole model):
 
 * **Clipping is unchanged.** FSDP2 all-gathers each block's weights before its forward and backward, so the
   engine's hooks see the full activations and output gradients of the local examples; the per-example norms of
@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dptext.privacy.clipping import invariant_tolerance, judge_squared_sums
-from dptext.privacy.fsdp_controls import sum_in_backward
-from dptext.privacy.optimizer import DPOptimizer
-from dptext.privacy.randomness import RandomRoot
-from dptext.privacy.step_checks import invariant_failed
+from dptext.privacy.clipping.sums import invariant_tolerance, judge_squared_sums
+from dptext.privacy.sharding.fsdp_controls import sum_in_backward
+from dptext.privacy.noise.optimizer import DPOptimizer
+from dptext.privacy.noise.randomness import RandomRoot
+from dptext.privacy.proof.step_checks import invariant_failed
 
 BLOCK = 1 << 16  # coordinates per noise block: a block's generator is seeded once per step
 SHARDED_STREAM = 1 << 20  # the noise child's stream for sharded noise, apart from the per-device streams

@@ -18,10 +18,10 @@ from collections import defaultdict
 import torch
 from torch import Tensor, nn
 
-from dptext.privacy.capture import Use
+from dptext.privacy.clipping.capture import Use
 from dptext.privacy.norms import inner_product
 from dptext.privacy.norms.linear import shared_input_grams
-from dptext.privacy.units import UnitIndex, coefficients_per_row, unit_norm_sq_per_parameter
+from dptext.privacy.clipping.units import UnitIndex, coefficients_per_row, unit_norm_sq_per_parameter
 
 STABILITY = 1e-6  # the 1e-6 of SPEC §1: ḡ = g · min(1, C / (‖g‖ + 1e-6))
 
@@ -72,7 +72,7 @@ def _sum_per_parameter(uses: list[Use], per_use, release: bool = False) -> dict[
 
 def norm_sq_per_parameter(uses: list[Use], units: UnitIndex | None = None) -> dict[nn.Parameter, Tensor]:
     """(B,) fp32 squared per-example gradient norm of each parameter, cross terms of shared ones included; with
-    ``units``, (count,) per-unit norms of the units' summed gradients (``privacy/units.py``)."""
+    ``units``, (count,) per-unit norms of the units' summed gradients (``privacy/clipping/units.py``)."""
     if units is not None:
         return unit_norm_sq_per_parameter(uses_by_parameter(uses), units.count)
     with shared_input_grams():

@@ -6,7 +6,7 @@ one (that would leak the batch size). The wrapped torch optimizer (SGD → DP-SG
 then steps on that gradient. A step whose Poisson batch is empty is valid: the gradient is noise / B.
 
 Noise is drawn on each parameter's device from a ``torch.Generator`` seeded from the "noise" child of the run's
-random root (``dptext.privacy.randomness``): a secret root from ``os.urandom`` by default, a seed-derived one only
+random root (``dptext.privacy.noise.randomness``): a secret root from ``os.urandom`` by default, a seed-derived one only
 for reproducible research runs. It is never the sampler's stream. ``secure_rng=True`` goes further and re-seeds
 every generator from ``os.urandom`` before every step (64 fresh bits per step and device), so even a leaked
 generator state predicts at most one step — at the price of a resume that is no longer bit-exact. The limit:
@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from dptext.privacy.parallel_noise import normals
-from dptext.privacy.randomness import RandomRoot
+from dptext.privacy.noise.parallel_noise import normals
+from dptext.privacy.noise.randomness import RandomRoot
 from dptext.errors import UserError
 
 OTHER_RANK_REFUSED = ("Another process's per-step privacy check failed in this logical batch (its own error says "
@@ -105,7 +105,7 @@ class DPOptimizer:
                  reduce: Callable[[dict], dict] | None = None, adds_noise: bool = True,
                  scale: dict[nn.Parameter, float] | None = None,
                  any_rank: Callable[[bool, torch.device], bool] | None = None):
-        """``reduce`` sums the noisy sums over processes (dptext.privacy.distributed); ``adds_noise`` is False on
+        """``reduce`` sums the noisy sums over processes (dptext.privacy.sharding.distributed); ``adds_noise`` is False on
         every rank but 0 there, so the noise is drawn once. ``scale`` multiplies a parameter's noisy sum after
         the reduction (eDP-SGD's α_l: clipping and noise happen in the scaled space). ``any_rank`` (several
         processes) tells every rank whether any rank refused the logical batch (``refuse``, ``collective_verdict``)."""

@@ -14,7 +14,7 @@ import torch
 from dptext.errors import UserError
 from dptext.models import load_model
 from dptext.privacy.engine import PrivacyEngine
-from dptext.privacy.verify import probe
+from dptext.privacy.proof.verify import probe
 
 
 def check_model(name: str, head: str = "causal_lm", clipping_mode: str = "bookkeeping",

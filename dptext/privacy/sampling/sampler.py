@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from dptext.privacy.randomness import RandomRoot, as_root
+from dptext.privacy.noise.randomness import RandomRoot, as_root
 
 
 def make_sampler(dataset_size: int, sample_rate: float, steps: int, seed: int | RandomRoot | None,

@@ -1,5 +1,5 @@
 """What dptext sets on FSDP2's own modules (``train.sharding: fsdp``; the DP step itself is
-``dptext.privacy.sharded``): ghost clipping's summed reduce-scatter and its undoing, gradient sync off for its
+``dptext.privacy.sharding.sharded``): ghost clipping's summed reduce-scatter and its undoing, gradient sync off for its
 norm-only pass, each rank's local gradient rows, and the whole weights a numerical rule check needs.
 """
 

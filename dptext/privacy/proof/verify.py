@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from dptext.allocator import release_freed_memory
 from dptext.errors import UserError
-from dptext.privacy.probe_checks import ReferenceFailed, probe_one, with_row
+from dptext.privacy.proof.probe_checks import ReferenceFailed, probe_one, with_row
 from dptext.privacy.proof.patterns import representatives
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "

@@ -6,7 +6,7 @@
   with ordinary autograd (sums). Before pass 1 the graph is checked for tracked parameters read outside their
   modules (``outside_reads``): pass 2 would follow such a path, the norms would not. Under FSDP2 pass 1
   reduce-scatters nothing and pass 2's reduce-scatter hands each rank its rows of every rank's sums
-  (``dptext.privacy.sharded``); a rank without examples runs both passes on a zero loss (``ghost_join``).
+  (``dptext.privacy.sharding.sharded``); a rank without examples runs both passes on a zero loss (``ghost_join``).
 Every result goes through the per-step invariant before it joins the logical batch (``step_checks``; ghost under
 FSDP2: its bound at the step, over every rank's rows).
 """
@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from dptext.errors import UserError
-from dptext.privacy import clipping
-from dptext.privacy.fsdp_controls import check_still_summing, gradient_sync_off, local_grads
-from dptext.privacy.step_checks import check_invariant, checked_uses
-from dptext.privacy.units import UnitIndex, unit_gradients_instantiated
+from dptext.privacy.clipping import sums as clipping
+from dptext.privacy.sharding.fsdp_controls import check_still_summing, gradient_sync_off, local_grads
+from dptext.privacy.proof.step_checks import check_invariant, checked_uses
+from dptext.privacy.clipping.units import UnitIndex, unit_gradients_instantiated
 
 
 @contextmanager
@@ -42,7 +42,7 @@ def coefficients(engine, norms_sq):
 
 
 def units_of_rows(uses: list, units: UnitIndex | None) -> int:
-    """Each use's rows mapped from examples to units (``privacy/units.py``); returns the number of units."""
+    """Each use's rows mapped from examples to units (``privacy/clipping/units.py``); returns the number of units."""
     if units is None:
         return uses[0].batch_size
     for use in uses:
@@ -166,7 +166,7 @@ def _norm_pass(engine, per_example_loss: Tensor) -> None:
 
 def _sum_pass(engine, weighted_loss: Tensor) -> dict:
     """Pass 2: Σ_i c_i·loss_i differentiated by autograd; under FSDP2 each parameter's gradient is this rank's rows
-    of the sum over the ranks (FSDP2's reduce-scatter, ``dptext.privacy.fsdp_controls.sum_in_backward``)."""
+    of the sum over the ranks (FSDP2's reduce-scatter, ``dptext.privacy.sharding.fsdp_controls.sum_in_backward``)."""
     for param in engine.params:
         param.grad = None
     weighted_loss.sum().backward()

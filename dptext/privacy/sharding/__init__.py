@@ -1,0 +1,6 @@
+"""Sharding: DP training over several processes (docs/sharding.md).
+
+- ``distributed``: data-parallel DP — one process per device, clipped sums all-reduced, noise drawn once.
+- ``sharded``: the DP step when the model is sharded with FSDP2 (each rank noises its own shard).
+- ``fsdp_controls``: what dptext sets on FSDP2's own modules (gradient sync, reduce-scatter) around the DP step.
+"""
