@@ -1,17 +1,19 @@
-"""Per-rank memory and step time of DP training sharded with FSDP2 against unsharded data parallel, on N processes.
+"""Per-rank memory and step time of DP training sharded with FSDP2 against non-private FSDP2 and unsharded DP.
 
-    python benchmarks/bench_fsdp.py [--model llama-small|smollm2-135m] [--batch 8 --length 64 --steps 3]
-                                    [--nproc 2] [--out benchmarks/results/bench_fsdp_cpu.json]
+    python benchmarks/bench_fsdp.py [--model llama-small|llama-medium|smollm2-135m] [--batch 8 --length 64]
+                                    [--steps 3] [--nproc 2] [--out benchmarks/results/bench_fsdp_cpu.json]
 
-One invocation launches two ``torchrun`` jobs of N processes one after the other, the same DP-Adam book-keeping
-steps (σ = 1, C = 1, expected batch ``--batch`` split over the ranks, sequences of ``--length`` tokens) first
-with every rank holding the whole model (``train.sharding: none``), then sharded with ``fully_shard`` per decoder
-layer and at the root (``train.sharding: fsdp``), and writes both and their ratios. Per rank it measures the
-bytes of parameters + gradients + Adam state held after a step (local shards), the peak resident memory sampled
-during the timed steps above the process's memory before the model was built (libraries, process group), and
-the median step time. On CPU the processes share the cores (gloo), so the time
-ratio says what sharding's collectives cost there, not what a GPU gets; on GPUs run it with ``--device cuda``
-(one process per GPU, NCCL; the peak is then torch.cuda.max_memory_allocated).
+One invocation launches three ``torchrun`` jobs of N processes one after the other, each Adam steps on the same
+random tokens (expected batch ``--batch`` split over the ranks, sequences of ``--length`` tokens): non-private
+FSDP2 (``fully_shard`` per decoder layer and at the root), DP-Adam book-keeping sharded the same way (σ = 1, C = 1,
+with the default start-up probe on the whole model before ``fully_shard``, as ``dptext finetune`` runs it), and DP
+with every rank holding the whole model (``train.sharding: none``). Per rank it measures the bytes of parameters +
+gradients + Adam state held after a step (local shards); the peak resident memory above the process's memory before
+the model was built (libraries, process group) while loading, while probing and during the timed steps; the probe's
+time and the median step time. ``ratios_dp_fsdp_over_nonprivate_fsdp`` is the issue's measure (≤ 1.05 per rank).
+On CPU the processes share the cores (gloo), so the time ratios say what sharding's collectives cost there, not
+what a GPU gets; on GPUs run it with ``--device cuda`` (one process per GPU, NCCL; the step peak is then
+torch.cuda.max_memory_allocated).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+JOBS = (("nonprivate_fsdp", "nonprivate", "fsdp"), ("dp_fsdp", "dp", "fsdp"), ("dp_unsharded", "dp", "none"))
 MODELS = {"llama-small": (256, 768, 4, 8192), "llama-medium": (512, 1536, 8, 16384), "smollm2-135m": None}
 
 
@@ -71,7 +74,8 @@ class PeakRss:
 
 
 def worker(args) -> None:
-    """One rank of one job: a few DP steps on random tokens (public, synthetic), then this rank's numbers."""
+    """One rank of one job: the default start-up probe (DP only: on the whole model, before ``fully_shard``, as
+    ``dptext finetune`` runs it), then a few steps on random tokens (public, synthetic); this rank's numbers."""
     from dptext.finetune.distributed import current, release
     from dptext.finetune.sharding import held_bytes, shard_model
     from dptext.privacy import PrivacyEngine, causal_lm_loss
@@ -79,15 +83,33 @@ def worker(args) -> None:
     ctx = current(args.device)
     baseline = rss_bytes()  # torch, transformers and the process group, before any model exists
     ctx.sharded = args.sharding == "fsdp"
+    private = args.mode == "dp"
     device = torch.device("cuda", ctx.local_rank) if args.device == "cuda" else torch.device("cpu")
-    model = build_model(args.model).to(device)
-    model.train()
-    ctx.broadcast_parameters(model)
+    with PeakRss() as loading:
+        model = build_model(args.model).to(device)
+        model.train()
+        ctx.broadcast_parameters(model)
+    probe_peak, probe_seconds = 0, 0.0
+    if private:  # the default proof, before sharding (dptext.finetune.sharding.prove_then_shard)
+        with PeakRss() as proving:
+            start = time.perf_counter()
+            probe = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+                                  max_grad_norm=1.0, expected_batch_size=args.batch, dataset_size=1000,
+                                  verify=False)
+            probe.verify()
+            probe.detach()
+            del probe
+            probe_seconds = time.perf_counter() - start
+        probe_peak = proving.peak - baseline
     if ctx.sharded:
         shard_model(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0,
-                           expected_batch_size=args.batch, dataset_size=1000, distributed=ctx, seed=0)
+    engine = None
+    if private:
+        engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0,
+                               expected_batch_size=args.batch, dataset_size=1000, distributed=ctx, seed=0,
+                               verify=False)
+        engine.verified = True  # the probe above ran on the same modules (mark_verified in finetune)
     local = args.batch // ctx.world_size
     generator = torch.Generator().manual_seed(ctx.rank)
     ids = torch.randint(1, model.config.vocab_size, (local, args.length), generator=generator).to(device)
@@ -96,8 +118,14 @@ def worker(args) -> None:
     def step() -> float:
         start = time.perf_counter()
         logits = model(input_ids=ids, attention_mask=mask).logits
-        engine.accumulate(causal_lm_loss(logits, ids, mask))
-        engine.step()
+        if private:
+            engine.accumulate(causal_lm_loss(logits, ids, mask))
+            engine.step()
+        else:
+            causal_lm_loss(logits, ids, mask).sum().backward()
+            ctx.average_gradients(list(model.parameters()), local)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -110,15 +138,16 @@ def worker(args) -> None:
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else rss.peak - baseline
     held = held_bytes(model, optimizer)
     numbers = ctx.gather({"rank": ctx.rank, "state_bytes": held, "peak_bytes": peak,
-                          "step_seconds": times[len(times) // 2]})
+                          "load_peak_bytes": loading.peak - baseline, "probe_peak_bytes": probe_peak,
+                          "probe_seconds": probe_seconds, "step_seconds": times[len(times) // 2]})
     if ctx.rank == 0:
         Path(args.worker_out).write_text(json.dumps(numbers))
     release()
 
 
-def launch(args, sharding: str, out: Path) -> list[dict]:
+def launch(args, mode: str, sharding: str, out: Path) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               __file__, "--worker-out", str(out), "--sharding", sharding, "--model", args.model,
+               __file__, "--worker-out", str(out), "--mode", mode, "--sharding", sharding, "--model", args.model,
                "--batch", str(args.batch), "--length", str(args.length), "--steps", str(args.steps),
                "--device", args.device]
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -126,9 +155,12 @@ def launch(args, sharding: str, out: Path) -> list[dict]:
 
 
 def summary(ranks: list[dict]) -> dict:
-    return {"state_mib_per_rank": max(r["state_bytes"] for r in ranks) / 2**20,
-            "peak_mib_per_rank": max(r["peak_bytes"] for r in ranks) / 2**20,
-            "step_seconds": max(r["step_seconds"] for r in ranks), "ranks": ranks}
+    """Per rank, the largest over the ranks; ``run_peak``: the whole run's (loading, the probe, the steps)."""
+    most = {key: max(r[key] for r in ranks) for key in ranks[0] if key != "rank"}
+    return {"state_mib_per_rank": most["state_bytes"] / 2**20, "step_peak_mib_per_rank": most["peak_bytes"] / 2**20,
+            "probe_peak_mib_per_rank": most["probe_peak_bytes"] / 2**20,
+            "run_peak_mib_per_rank": max(most["peak_bytes"], most["probe_peak_bytes"], most["load_peak_bytes"]) / 2**20,
+            "probe_seconds": most["probe_seconds"], "step_seconds": most["step_seconds"], "ranks": ranks}
 
 
 def main() -> None:
@@ -142,24 +174,27 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_fsdp_cpu.json"))
     parser.add_argument("--worker-out")
     parser.add_argument("--sharding", choices=("none", "fsdp"))
+    parser.add_argument("--mode", choices=("dp", "nonprivate"))
     args = parser.parse_args()
     if args.worker_out:
         worker(args)
         return
     load = os.getloadavg()[0]
     scratch = Path(args.out).with_suffix(".part")
-    unsharded = summary(launch(args, "none", scratch))
-    sharded = summary(launch(args, "fsdp", scratch))
+    jobs = {name: summary(launch(args, mode, sharding, scratch)) for name, mode, sharding in JOBS}
     scratch.unlink()
+    keys = ("state_mib_per_rank", "step_peak_mib_per_rank", "run_peak_mib_per_rank", "step_seconds")
     result = {"model": args.model, "batch": args.batch, "length": args.length, "steps": args.steps,
               "processes": args.nproc, "device": args.device, "clipping_mode": "bookkeeping", "optimizer": "adam",
-              "load_average_at_start": load, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-              "unsharded": unsharded, "fsdp": sharded,
-              "ratios_fsdp_over_unsharded": {key: sharded[key] / unsharded[key] for key in
-                                             ("state_mib_per_rank", "peak_mib_per_rank", "step_seconds")}}
+              "load_average_at_start": load, "cpu_count": os.cpu_count(), "torch": torch.__version__, **jobs,
+              "ratios_dp_fsdp_over_nonprivate_fsdp": {key: jobs["dp_fsdp"][key] / jobs["nonprivate_fsdp"][key]
+                                                      for key in keys},
+              "ratios_dp_fsdp_over_dp_unsharded": {key: jobs["dp_fsdp"][key] / jobs["dp_unsharded"][key]
+                                                   for key in keys},
+              "probe_seconds_in_dp_fsdp_steps": jobs["dp_fsdp"]["probe_seconds"] / jobs["dp_fsdp"]["step_seconds"]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("unsharded", "fsdp")}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in {name for name, _, _ in JOBS}}, indent=2))
 
 
 if __name__ == "__main__":

@@ -244,6 +244,45 @@ def outside_read_refusal(ctx) -> str:
     return ""
 
 
+def held_rows(ctx, mine):
+    """Book-keeping and per_sample with one whole layer per chunk (the chunk size forced to 1 coordinate): the
+    update (against the single process) and, after one micro-batch, what the optimizer holds — only this rank's
+    rows — and how many chunks were reduce-scattered, each of whole layers."""
+    from dptext.privacy import PrivacyEngine
+    from dptext.privacy.sharding import row_reduce
+
+    real_size, real_reduce = row_reduce.CHUNK_COORDINATES, row_reduce.reduce_rows
+    sent = []
+
+    def counting(params, totals, rank, world_size):
+        sent.append([id(param) for param in params])
+        return real_reduce(params, totals, rank, world_size)
+
+    row_reduce.CHUNK_COORDINATES, row_reduce.reduce_rows = 1, counting
+    out = {}
+    try:
+        for mode in ("bookkeeping", "per_sample"):
+            out[("update", mode)] = dp_update(mode, "all_layer", ctx, mine)
+            model = shard(tiny_lm(), ctx)
+            engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                                   max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode,
+                                   distributed=ctx, verify=False)
+            sent.clear()
+            engine.accumulate(losses(model, token_ids()[mine]))
+            optimizer = engine.dp_optimizer
+            names = engine.param_names()
+            out[("held", mode)] = {
+                "summed": len(optimizer.summed),
+                "rows_are_local": all(tuple(rows.shape) == tuple(param.to_local().shape)
+                                      for param, rows in optimizer.reduced.items()),
+                "chunks": [sorted(names[p] for p in chunk) for chunk in optimizer.chunks],
+                "sent": len(sent),
+            }
+    finally:
+        row_reduce.CHUNK_COORDINATES, row_reduce.reduce_rows = real_size, real_reduce
+    return out
+
+
 def non_private_mean(ctx, mine):
     """The non-private baseline's gradient: FSDP2's reduce-scatter, then ``average_gradients`` (gathered)."""
     model = shard(tiny_lm(), ctx)
@@ -270,7 +309,8 @@ def worker(out: Path) -> None:
         "sync_kept": sync_settings_kept(ctx),
         "guarded": ghost_reduction_guarded(ctx),
         "non_private": non_private_mean(ctx, mine),
-        "uneven": {mode: uneven_update(ctx, mode) for mode in ("bookkeeping", "ghost")},
+        "uneven": {mode: uneven_update(ctx, mode) for mode in ("bookkeeping", "ghost", "per_sample")},
+        "held_rows": held_rows(ctx, mine),
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -296,7 +336,7 @@ def test_sharded_clipped_sum_equals_single_process(two_ranks, case):
                 f"{case} {name}: off by {(got[name] - single[name]).abs().max():.3g}"
 
 
-@pytest.mark.parametrize("mode", ["bookkeeping", "ghost"])
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
 def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ranks, mode):
     single = dp_update(mode, "all_layer")
     for rank in two_ranks:
@@ -304,6 +344,21 @@ def test_a_rank_without_examples_joins_with_empty_passes_and_adds_nothing(two_ra
         assert count == 3  # rank 1 ran 3 empty passes (a missing one would hang FSDP2's collectives)
         for name in single:
             assert torch.allclose(got[name], single[name], atol=1e-6, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "per_sample"])
+def test_a_rank_holds_only_its_rows_of_the_clipped_sums_reduced_a_layer_chunk_at_a_time(two_ranks, mode):
+    single = dp_update(mode, "all_layer")
+    for rank in two_ranks:
+        got = rank["held_rows"][("update", mode)]
+        for name in single:
+            assert torch.allclose(got[name], single[name], atol=1e-6, rtol=1e-5), name
+        held = rank["held_rows"][("held", mode)]
+        assert held["summed"] == 0 and held["rows_are_local"]  # no full-size sum kept after the micro-batch
+        chunks = held["chunks"]
+        assert len(chunks) > 3 and held["sent"] == len(chunks)  # one reduce-scatter per chunk, every chunk
+        tied = [chunk for chunk in chunks if any(name.startswith(("embed.", "head.")) for name in chunk)]
+        assert len(tied) == 1, chunks  # the tied embedding and head: one parameter, one chunk
 
 
 @pytest.mark.parametrize("mode", ["bookkeeping", "ghost"])  # ghost's sums arrive reduce-scattered: the same noise

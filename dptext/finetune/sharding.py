@@ -19,7 +19,7 @@ from torch import nn
 from dptext.errors import UserError
 from dptext.finetune.task_probe import verify_with_task
 from dptext.privacy import PrivacyEngine
-from dptext.privacy.clipping.clipped_step import ghost_join
+from dptext.privacy.clipping.clipped_step import ghost_join, join_reduction
 from dptext.privacy.sharding.fsdp_controls import check_ghost_supported
 
 
@@ -128,8 +128,8 @@ def empty_pass(training: Any, autocast: Any) -> None:
     if losses.requires_grad:
         (losses * 0).sum().backward()
     if training.engine is not None:
-        training.engine.recorder.take_uses()
         training.engine.outside_reads.clear()
+        join_reduction(training.engine)  # the others' clipped sums are reduce-scattered per micro-batch: join them
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

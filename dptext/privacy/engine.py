@@ -122,6 +122,7 @@ class PrivacyEngine:
 
         self.optimizer = optimizer
         self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
+        self.probe_compared: set | None = None  # while the probe runs: the parameters whose sums it compares
         self.verify_first = bool(verify)  # False: the user opted out of the proof; mechanism() says so
         self._verifying = False
         self._probe_args: tuple = (probe_batch, probe_loss)

@@ -21,6 +21,7 @@ from torch import Tensor
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
 from dptext.privacy.sharding.fsdp_controls import check_still_summing, gradient_sync_off, local_grads
+from dptext.privacy.sharding.row_reduce import reduce_in_chunks
 from dptext.privacy.proof.step_checks import check_invariant, checked_uses
 from dptext.privacy.clipping.units import UnitIndex, unit_gradients_instantiated
 
@@ -55,13 +56,20 @@ def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = No
     ``units``, the per-unit norms)."""
     uses = checked_uses(engine, per_example_loss)
     if uses is None:  # refused on this rank (several processes): raised on every rank at the step
+        if _sharded(engine):
+            join_reduction(engine)
         return refused_norms(per_example_loss, units)
     count = units_of_rows(uses, units)
     with exact_arithmetic(engine):
         if engine.clipping_mode == "bookkeeping":
             norms_sq = clipping.norm_sq_per_parameter(uses, units)
             coef, norms = coefficients(engine, norms_sq)
-            sums = clipping.clipped_sums(uses, coef, per_unit=units is not None)
+            if _sharded(engine):
+                reduce_bookkeeping(engine, uses, coef, units, norms_sq, norms, count)
+                return norms
+            # the probe compares only its representatives' sums (proof.patterns): the others are not formed
+            only = engine.probe_compared if engine.recorder.probing else None
+            sums = clipping.clipped_sums(uses, coef, per_unit=units is not None, only=only)
         else:
             grads = clipping.per_example_grads(uses)
             if units is not None:
@@ -71,6 +79,32 @@ def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = No
             sums = clipping.clipped_sums_from_per_example(grads, coef)
         add_checked(engine, sums, norms_sq, norms, count)
     return norms
+
+
+def reduce_bookkeeping(engine, uses: list, coef, units: UnitIndex | None, norms_sq, norms, count: int) -> None:
+    """FSDP2, book-keeping: the clipped sums formed and reduce-scattered a chunk of layers at a time
+    (``sharding.row_reduce``), so no full-size sum is held; the bound on them is checked at the step, over every
+    rank's rows (the norms are checked here)."""
+    engine.last_norms_sq = norms_sq if engine.recorder.probing else None
+    check_invariant(engine, {}, norms, count)
+    by_param: dict = {}
+    for use in uses:
+        by_param.setdefault(use.module.get_parameter(use.names[0]), []).append(use)
+
+    def sums_of(chunk):
+        chunk_uses = [use for param in chunk for use in by_param.pop(param, [])]
+        return clipping.clipped_sums(chunk_uses, coef, per_unit=units is not None)
+
+    optimizer = engine.dp_optimizer
+    reduce_in_chunks(optimizer, optimizer.chunks, sums_of, count)
+
+
+def join_reduction(engine) -> None:
+    """FSDP2, book-keeping or per_sample, a rank adding nothing to this micro-batch (refused here, or an empty
+    pass): it still joins every chunk's reduce-scatter, with zeros, and keeps its rows of the others' sums."""
+    for use in engine.recorder.take_uses():
+        use.release()
+    reduce_in_chunks(engine.dp_optimizer, engine.dp_optimizer.chunks, None, 0)
 
 
 def refused_norms(per_example_loss: Tensor, units: UnitIndex | None) -> Tensor:

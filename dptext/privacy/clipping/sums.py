@@ -100,10 +100,11 @@ def clip_coefficients(norms_sq: dict[nn.Parameter, Tensor], max_grad_norm: float
             for param, norm_sq in norms_sq.items()}, total
 
 
-def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor],
-                 per_unit: bool = False) -> dict[nn.Parameter, Tensor]:
+def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor], per_unit: bool = False,
+                 only: set[nn.Parameter] | None = None) -> dict[nn.Parameter, Tensor]:
     """Σ_i c_i G_{i,p} for every parameter, from each use's own weighted reduction (book-keeping); with
-    ``per_unit`` the factors are per unit and each row takes its unit's (``use.units``).
+    ``per_unit`` the factors are per unit and each row takes its unit's (``use.units``). With ``only`` (the
+    probe's compared parameters) a use none of whose parameters is in it is released unsummed.
 
     The last thing a use's tensors are needed for (the norms and cross terms are known), so each use is released
     as soon as its sum is formed."""
@@ -113,6 +114,14 @@ def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor],
             use_coef = coefficients_per_row(use_coef, use.units)
         return use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output, use_coef)
 
+    if only is not None:
+        kept = []
+        for use in uses:
+            if any(use.module.get_parameter(name) in only for name in use.names):
+                kept.append(use)
+            else:
+                use.release()
+        uses = kept
     return _sum_per_parameter(uses, clipped_sum_of, release=True)
 
 

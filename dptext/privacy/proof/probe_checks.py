@@ -395,11 +395,14 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
         engine.recorder.take_uses()
         return stop()
     rows_before = [(use.module, _first_tensor(use.activation)) for use in uses]
+    engine.probe_compared = set(compared)  # the other layers' clipped sums are not formed (none is compared)
     try:
         engine.accumulate(loss)
     except UserError:  # e.g. non-finite norms: if plain autograd fails too, that is the finding (and the
         stop()         # fp64 probe retries in the model's own dtype)
         raise
+    finally:
+        engine.probe_compared = None
     norms_sq, sums = engine.last_norms_sq, engine.clipped_grads()
     engine.zero_grad()
     compared_set = set(compared)

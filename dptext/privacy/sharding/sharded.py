@@ -4,10 +4,13 @@ What changes against ``dptext.privacy.sharding.distributed`` (every rank holds t
 
 * **Clipping is unchanged.** FSDP2 all-gathers each block's weights before its forward and backward, so the
   engine's hooks see the full activations and output gradients of the local examples; the per-example norms of
-  every layer (tied weights included) and the clipped sums (c ⊙ g)ᵀa are computed on each rank for its own
-  examples exactly as in one process. The clipped sums are full-sized tensors until the step.
-* **Reduce-scatter instead of all-reduce.** At the step each rank receives the sum over the ranks of the rows of
-  every parameter it owns (FSDP2's Shard(0) layout), one flat ``reduce_scatter_tensor``.
+  every layer (tied weights included) are computed on each rank for its own examples exactly as in one process.
+* **Reduce-scatter per micro-batch, a chunk of layers at a time.** Once the norms are known, book-keeping forms the
+  clipped sums (c ⊙ g)ᵀa a chunk of whole layers at a time and reduce-scatters each chunk at once
+  (``row_reduce``): each rank keeps only the sum over the ranks of the rows it owns (FSDP2's Shard(0) layout), so
+  no full-size clipped sum outlives its chunk. per_sample reduces its sums the same way; ghost lets FSDP2's own
+  reduce-scatter do it in its second backward pass (below). The bound ‖Σ‖ ≤ units·C needs every rank's rows: it
+  is checked at the step over one all-reduce, and every rank reaches the same verdict.
 * **Noise once per coordinate, each rank noising its own shard.** The noise of coordinate j of parameter P at
   step t is drawn from a generator seeded by (noise key, t, P's name, the block of 2¹⁶ coordinates holding j) and
   never from anything a rank chooses, so a coordinate's value is the same whichever rank owns it and however many
@@ -22,8 +25,7 @@ What changes against ``dptext.privacy.sharding.distributed`` (every rank holds t
   and forms no weight gradient, so nothing is reduce-scattered or accumulated; pass 2 differentiates
   Σ_i c_i·loss_i and FSDP2's own reduce-scatter (set to a plain sum, every trainable parameter included, so all
   ranks send the same layout) leaves each rank its rows of Σ_ranks; they are taken from ``.grad`` after every
-  micro-batch (``add_reduced``) and noised at the step like the reduce-scattered book-keeping sums. The bound
-  ‖Σ‖ ≤ units·C needs every rank's rows, so it is checked at the step over one all-reduce.
+  micro-batch (``add_reduced``) and noised at the step like the reduce-scattered book-keeping sums.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch import Tensor, nn
 
 from dptext.privacy.clipping.sums import invariant_tolerance, judge_squared_sums
 from dptext.privacy.sharding.fsdp_controls import sum_in_backward
+from dptext.privacy.sharding.row_reduce import local_rows, reduce_in_chunks, sum_chunks
 from dptext.privacy.noise.optimizer import DPOptimizer
 from dptext.privacy.noise.randomness import RandomRoot
 from dptext.privacy.proof.step_checks import invariant_failed
@@ -48,15 +51,6 @@ SHARDED_STREAM = 1 << 20  # the noise child's stream for sharded noise, apart fr
 
 def is_sharded(param: Tensor) -> bool:
     return hasattr(param, "device_mesh") and hasattr(param, "to_local")
-
-
-def local_rows(param: Tensor, rank: int, world_size: int) -> tuple[int, int]:
-    """(first row, row count) of ``param``'s dim-0 shard on ``rank``: FSDP2 gives each rank ⌈d/N⌉ rows, the last
-    ones fewer (possibly none)."""
-    rows = param.shape[0] if param.ndim else 1
-    per_rank = -(-rows // world_size)
-    first = min(rank * per_rank, rows)
-    return first, min(per_rank, rows - first)
 
 
 class ShardedNoise:
@@ -109,18 +103,25 @@ class ShardedDPOptimizer(DPOptimizer):
     """``DPOptimizer`` for FSDP2-sharded parameters: reduce-scatter of the clipped sums, noise on each rank's own
     rows, the result set as each parameter's sharded gradient."""
 
-    def __init__(self, *args, rank: int, world_size: int, backward_reduces: bool = False, restore=None, **kwargs):
-        """``backward_reduces`` (ghost clipping): the sums arrive already reduce-scattered (``add_reduced``), and
-        ``restore`` (from ``sum_in_backward``) gives FSDP2 back its own reduction on ``release``."""
+    def __init__(self, *args, rank: int, world_size: int, chunks: list[list[nn.Parameter]],
+                 layout: str = "all_layer", restore=None, **kwargs):
+        """``chunks``: the groups of whole layers whose clipped sums are reduce-scattered together
+        (``row_reduce.sum_chunks``); ``layout``: the clipping layout, for the step's bound; ``restore`` (ghost,
+        from ``sum_in_backward``) gives FSDP2 back its own reduction on ``release``."""
         super().__init__(*args, **kwargs)
         self.rank, self.world_size = rank, world_size
-        self.backward_reduces = backward_reduces
+        self.chunks, self.layout = chunks, layout
         self.restore = restore
         self.reduced: dict[nn.Parameter, Tensor] = {}
 
+    def add_clipped_sums(self, sums: dict[nn.Parameter, Tensor], units: int) -> None:
+        """A micro-batch's full-size clipped sums (per_sample; book-keeping forms them chunk by chunk instead,
+        ``clipped_step``): reduced over the ranks a chunk at a time, each sum dropped once sent."""
+        reduce_in_chunks(self, self.chunks, lambda chunk: {p: sums.pop(p) for p in chunk if p in sums}, units)
+
     def add_reduced(self, rows: dict[nn.Parameter, Tensor], units: int) -> None:
-        """This rank's rows of Σ_ranks of one micro-batch's clipped sums (FSDP2's reduce-scatter in ghost clipping's
-        second pass), and this rank's count of units in it."""
+        """This rank's rows of Σ_ranks of one micro-batch's clipped sums (``row_reduce``, or FSDP2's reduce-scatter in
+        ghost clipping's second pass), and this rank's count of units in it."""
         if self.refusal is not None:
             return
         for param, local in rows.items():
@@ -129,7 +130,7 @@ class ShardedDPOptimizer(DPOptimizer):
         self.examples_seen += units
 
     def _checked_reduced(self) -> dict[nn.Parameter, Tensor]:
-        """This rank's rows of the logical batch's clipped sum (ghost), after the per-step invariant over every
+        """This rank's rows of the logical batch's clipped sum, after the per-step invariant over every
         rank's rows: ‖Σ‖ ≤ (units of all ranks)·C, one all-reduce; every rank reaches the same verdict."""
         grads = {param: self.reduced.pop(param, None) for param in self.params}
         grads = {param: torch.zeros(param.to_local().shape, dtype=torch.float32, device=param.to_local().device)
@@ -138,52 +139,19 @@ class ShardedDPOptimizer(DPOptimizer):
         totals = torch.stack(squares + [torch.tensor(float(self.examples_seen), dtype=torch.float64,
                                                      device=squares[0].device)])
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        problem = judge_squared_sums(list(grads), totals[:-1], float(totals[-1]), self.max_grad_norm, "all_layer", 1,
-                                     invariant_tolerance({torch.float32}))
+        problem = judge_squared_sums(list(grads), totals[:-1], float(totals[-1]), self.max_grad_norm, self.layout,
+                                     len(self.params), invariant_tolerance({torch.float32}))
         if problem is not None:
             self.zero_grad()
             raise invariant_failed(None if problem[0] is None else self.param_names.get(problem[0], "?"), problem[1])
         return grads
-
-    def _reduce_scatter(self) -> dict[nn.Parameter, Tensor]:
-        """Each parameter's own rows of Σ_ranks (clipped sums), in fp32; consumes the accumulated sums one by one
-        into one send buffer (rank r's rows of every parameter side by side), so one model-sized copy at a time."""
-        layout, width = [], 0
-        for param in self.params:
-            rows = param.shape[0] if param.ndim else 1
-            per_rank = -(-rows // self.world_size)
-            layout.append((param, rows, per_rank, param.numel() // max(rows, 1)))
-            width += per_rank * layout[-1][3]
-        device = self.params[0].to_local().device
-        send = torch.zeros(self.world_size, width, dtype=torch.float32, device=device)
-        offset = 0
-        for param, rows, per_rank, row_size in layout:
-            total = self.summed.pop(param, None)
-            if total is not None:  # rows beyond the parameter's end stay zero (FSDP2 pads the last shard)
-                slots = send[:, offset:offset + per_rank * row_size].unflatten(1, (per_rank, row_size))
-                total = total.reshape(rows, row_size)
-                for rank in range(self.world_size):
-                    first, count = local_rows(param, rank, self.world_size)
-                    slots[rank, :count].copy_(total[first:first + count])
-            del total
-            offset += per_rank * row_size
-        mine = send.new_empty(width)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-        scatter(mine, send.view(-1), op=dist.ReduceOp.SUM)
-        del send
-        out, offset = {}, 0
-        for param, rows, per_rank, row_size in layout:
-            _, count = local_rows(param, self.rank, self.world_size)
-            out[param] = mine[offset:offset + count * row_size].view(param.to_local().shape)
-            offset += per_rank * row_size
-        return out
 
     def privatized_grads(self) -> dict[nn.Parameter, Tensor]:
         """(this rank's rows of Σ_ranks Σ_i ḡ_i + its own rows of N(0, σ²C²)) / B, as local fp32 tensors."""
         self.collective_verdict()
         self.noise.reseed_if_secure()
         std = self.noise_multiplier * self.max_grad_norm
-        grads = self._checked_reduced() if self.backward_reduces else self._reduce_scatter()
+        grads = self._checked_reduced()
         for param, local in grads.items():
             if std > 0 and local.numel():
                 first, _ = local_rows(param, self.rank, self.world_size)
@@ -233,7 +201,8 @@ def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool
     ghost = engine.clipping_mode == "ghost"
     return ShardedDPOptimizer(optimizer, engine.params, engine.noise_multiplier, engine.max_grad_norm,
                               engine.expected_batch_size, noise, rank=context.rank, world_size=context.world_size,
-                              backward_reduces=ghost, restore=sum_in_backward(engine.model) if ghost else None,
+                              chunks=sum_chunks(engine.tracked, engine.params), layout=engine.clipping_layout,
+                              restore=sum_in_backward(engine.model) if ghost else None,
                               any_rank=context.any_rank)
 
 
