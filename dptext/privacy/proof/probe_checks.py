@@ -1,4 +1,5 @@
-"""The checks of the start-up probe (``dptext.privacy.proof.verify``), one synthetic batch at a time.
+"""The checks of the start-up probe (``dptext.privacy.proof.verify``), one synthetic batch at a time (the reference
+in ``reference``, the re-drawn examples in ``independence``).
 
 ``probe_one`` runs them in order: the plain loss (its shape, buffers left alone), the hooked forward with its
 structural checks (in-place outputs, rows that are not examples, batch-1 expansions, parameters read outside
@@ -9,7 +10,6 @@ move). A check that stops early still lets interacting examples and a failing re
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,6 +18,9 @@ from torch.overrides import TorchFunctionMode
 
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
+from dptext.privacy.proof.independence import (_first_tensor, check_loss_independence, check_redrawn_examples,
+                                               plain_loss, same_values)
+from dptext.privacy.proof.reference import Reference, reference_gradients, same_randomness, squared_norm
 
 RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
 DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"
@@ -41,112 +44,6 @@ class ParameterReads(TorchFunctionMode):
                         if not self.stack or self.stack[-1] not in self.owners[id(item)]:
                             self.outside.add(id(item))
         return func(*args, **kwargs)
-
-
-@contextmanager
-def same_randomness(device: torch.device):
-    """Every forward of the probe draws the same dropout masks."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(20240601)
-        yield
-
-
-class ReferenceFailed(RuntimeError):
-    """Plain per-example autograd itself fails or is not finite on the synthetic batch (Longformer's fp32 softmax
-    mask turns into -inf in fp64; an input changed in place after a layer read it): nothing to compare against.
-    The probe retries in the model's own dtype, then refuses."""
-
-
-@contextmanager
-def requiring_grad(params: list[nn.Parameter]):
-    """Every planned parameter requires grad inside (book-keeping keeps them out of autograd), as it was after."""
-    was = [p.requires_grad for p in params]
-    try:
-        for param in params:
-            param.requires_grad_(True)
-        yield
-    finally:
-        for param, flag in zip(params, was):
-            param.requires_grad_(flag)
-
-
-class Reference:
-    """Plain per-example autograd without the engine's hooks, for one probe batch: the loss, each example's squared
-    gradient norm per compared parameter, and Σ_i c_i·g_i with the engine's C and layout.
-
-    ``params`` are the parameters compared (those of one representative layer per use pattern,
-    ``dptext.privacy.proof.patterns``); ``other_norms_sq`` the engine's per-example squared norms of the rest,
-    which complete each example's whole-model norm in the all-layer layout (they come from the same rules on the
-    same code paths as the representatives', whose norms are compared here). A coefficient needs only its own
-    example's norms, so each example's gradient is folded into the sums as soon as it is taken and dropped:
-    holding all of them (B model-sized fp64 copies) made the probe's peak 14.8 fp32 model sizes on a random
-    36M-parameter Llama, 9.2 without (``benchmarks/probe_memory.py``)."""
-
-    def __init__(self, engine, batch, loss_fn, device, params: list[nn.Parameter],
-                 other_norms_sq: dict[nn.Parameter, Tensor] | None = None):
-        params = list(params)
-        others = other_norms_sq or {}
-        squares: list[dict[nn.Parameter, Tensor]] = []
-        self.params = params
-        self.sums = [torch.zeros_like(p, dtype=reference_dtype(p)) for p in params]
-        with requiring_grad(params):
-            with engine.recorder.paused(), same_randomness(device):
-                loss = loss_fn(engine.model, batch)
-            self.loss = loss.detach()
-            for i in range(len(loss) if loss.ndim == 1 else 0):
-                row = _example_gradient(loss[i], params)
-                norms = {p: squared_norm(g) for g, p in zip(row, params)}
-                if not all(bool(torch.isfinite(n)) for n in norms.values()):
-                    raise ReferenceFailed("non-finite losses or gradients")
-                whole = {**norms, **{p: n[i:i + 1].double() for p, n in others.items() if p not in norms}}
-                coef, _ = clipping.clip_coefficients(whole, engine.max_grad_norm, engine.clipping_layout,
-                                                     len(engine.params))
-                for total, g, p in zip(self.sums, row, params):
-                    total.add_(g.to(total.dtype), alpha=float(coef[p]))
-                squares.append(norms)
-        self.norms_sq = {p: torch.cat([each[p] for each in squares]) if squares else None for p in params}
-        if not bool(torch.isfinite(self.loss).all()):
-            raise ReferenceFailed("non-finite losses or gradients")
-
-
-def reference_dtype(param: Tensor) -> torch.dtype:
-    """fp64 sums where the probe runs in fp64; at least fp32 otherwise (bf16 sums would lose the comparison)."""
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
-
-
-def _example_gradient(example_loss: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
-    """One example's gradient of every compared parameter (zeros where it has none), from the retained graph."""
-    row = torch.autograd.grad(example_loss, params, retain_graph=True, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(row, params)]
-
-
-NORM_CHUNK = 1 << 16  # entries per partial dot product
-
-
-def squared_norm(gradient: Tensor) -> Tensor:
-    """‖g‖² as a (1,) fp64 tensor: the norms of rows of 65,536 entries in g's own precision, squared and summed in
-    fp64. One fp32 reduction over a 65M-entry embedding gradient is off by ~1e-3 relative (the comparison's whole
-    tolerance); converting g to fp64 first cost a quarter of the reference's time, and one dot product per chunk
-    (a thousand kernel calls per embedding gradient) more than half of the whole probe's. A non-finite entry makes
-    it non-finite, which the caller checks instead of scanning g again."""
-    flat = gradient.reshape(-1)
-    whole = flat.numel() - flat.numel() % NORM_CHUNK
-    parts = [torch.linalg.vector_norm(flat[:whole].view(-1, NORM_CHUNK), dim=1)] if whole else []
-    if whole < flat.numel():
-        parts.append(torch.linalg.vector_norm(flat[whole:]).reshape(1))
-    if not parts:
-        return flat.new_zeros(1, dtype=torch.float64)
-    return torch.cat(parts).double().pow(2).sum().reshape(1)
-
-
-def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=None) -> Reference:
-    """The reference for one probe batch (``Reference``); a failure of plain autograd is ``ReferenceFailed``."""
-    try:
-        return Reference(engine, batch, loss_fn, device, params, other_norms_sq)
-    except RuntimeError as error:
-        if isinstance(error, ReferenceFailed):
-            raise
-        raise ReferenceFailed(type(error).__name__) from error
 
 
 def engine_forward(engine, report, batch, loss_fn, device):
@@ -262,83 +159,6 @@ def share_verdicts(engine, report, decided_by: dict[nn.Module, nn.Module]) -> No
                                   f"representative '{decider.name}' received no gradient)")
 
 
-def with_row(batch: dict[str, Any], fresh: dict[str, Any], example: int) -> dict[str, Any]:
-    """``batch`` with ``example``'s row of every per-example tensor (first dimension = the examples) taken from
-    ``fresh``, another synthetic batch of the same shape: tokens, lengths and labels of that example re-drawn."""
-    examples = next(iter(v for v in batch.values() if isinstance(v, Tensor))).shape[0]
-    out = dict(batch)
-    for key, value in batch.items():
-        other = fresh.get(key)
-        if isinstance(value, Tensor) and isinstance(other, Tensor) and value.ndim and value.shape[0] == examples \
-                and other.shape == value.shape:
-            out[key] = value.clone()
-            out[key][example] = other[example]
-    return out
-
-
-def same_values(a: Tensor, b: Tensor) -> bool:
-    """Equal up to rounding: the probe recomputes the same rows with the same kernels, so they agree to the last
-    bits in fp64 (1e-9) and to a few ulps in fp32 (the probe of a large model runs in its own precision; examples
-    that interact move each other by far more)."""
-    tight = a.dtype == torch.float64 and b.dtype == torch.float64
-    return bool(torch.allclose(a.double(), b.double(), rtol=1e-9 if tight else 1e-5, atol=1e-12 if tight else 1e-6))
-
-
-def others(loss: Tensor, example: int) -> Tensor:
-    return torch.arange(len(loss), device=loss.device) != example
-
-
-LOSSES_INTERACT = ("changing one example changed another example's loss, so examples interact (in-batch "
-                   "negatives, batch statistics, a batch-averaged loss, routing by score across the batch); such a "
-                   "loss needs another privacy unit")
-ROWS_INTERACT = ("changing one example changed other rows of its input, so its rows are not one example each "
-                 "(sequence-first layout, experts fed gathered tokens)")
-
-
-def check_loss_independence(engine, report, batch, redraw, loss_fn, device, loss: Tensor) -> None:
-    """Re-draw each example's tokens in turn: every other example's loss must stay put (checked without the
-    hooks). Every example, not one: a router that picks tokens by score lets only some examples move others.
-
-    Used where the probe stops early, so that interacting examples are named before a layer the engine refused.
-    The losses compared are all computed the same way (no autograd, hooks paused): the reference pass differs in
-    the last bits wherever a kernel takes another path when its weights require gradients (seen on Longformer in
-    fp32), and that must not read as examples interacting, nor widen the tolerance that catches real ones."""
-    for example in range(len(loss)):
-        other, keep = plain_loss(engine, redraw(example), loss_fn, device), others(loss, example)
-        if other.shape != loss.shape or not same_values(other[keep], loss[keep]):
-            report.loss_problem = LOSSES_INTERACT
-            return
-
-
-def check_redrawn_examples(engine, report, redraw, loss_fn, device, loss, rows_before) -> None:
-    """Re-draw each example's tokens in turn, with the hooks: every other example's loss and every other row of
-    every recorded input must stay put (the loss is per example, and rows are examples). One hooked pass per
-    example checks both; ``loss`` and ``rows_before`` come from the hooked pass of the unchanged batch, so all
-    the values compared are computed the same way (see ``check_loss_independence``)."""
-    engine.recorder.take_uses()
-    engine.recorder.probing = True
-    for example in range(len(loss)):
-        with same_randomness(device):
-            other = loss_fn(engine.model, redraw(example)).detach()
-        changed_uses = list(engine.recorder.uses)
-        engine.recorder.take_uses()
-        keep = others(loss, example)
-        if other.shape != loss.shape or not same_values(other[keep], loss[keep]):
-            report.loss_problem = LOSSES_INTERACT
-            return
-        for (module, a), second in zip(rows_before, changed_uses):
-            b = _first_tensor(second.activation)
-            if module is not second.module or a is None or b is None or a.shape != b.shape or len(a) != len(loss):
-                continue
-            if not same_values(a[keep], b[keep]):
-                report.refuse(module, ROWS_INTERACT)
-
-
-def _first_tensor(activation: Any) -> Tensor | None:
-    value = activation[0] if isinstance(activation, tuple) else activation
-    return value if isinstance(value, Tensor) else None
-
-
 def buffer_snapshot(model: nn.Module) -> dict[str, Tensor]:
     return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
 
@@ -354,15 +174,6 @@ def changed_buffer(model: nn.Module, before: dict[str, Tensor]) -> str | None:
 BUFFER_CHANGED = ("buffer '{}': a training forward changes it (running statistics), so it is computed from the "
                   "private batches and released with the model without noise; put that layer in eval mode or "
                   "remove it")
-
-
-def plain_loss(engine, batch, loss_fn, device) -> Tensor:
-    """The loss without the engine's hooks or autograd; a failure of the model's own forward is ReferenceFailed."""
-    try:
-        with torch.no_grad(), engine.recorder.paused(), same_randomness(device):
-            return loss_fn(engine.model, batch)
-    except RuntimeError as error:
-        raise ReferenceFailed(type(error).__name__) from error
 
 
 def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> None:

@@ -12,7 +12,7 @@ privacy. A ``PrivacyEngine`` runs it before the model's first training forward u
 3. lets the engine produce its per-parameter norms and clipped sums, then takes each example's gradient of the
    *compared* parameters by its own autograd pass (one representative layer per use pattern, ``proof.patterns``;
    fp64 for models up to ``FP64_PARAMETERS``, the model's own precision above) and compares norms and clipped
-   sums (``probe_checks.Reference``); the other layers of a pattern share the representative's verdict;
+   sums (``reference.Reference``); the other layers of a pattern share the representative's verdict;
 4. re-draws one example at a time (its row of every tensor of the batch) with the hooks: every other example's
    loss and every other row of every recorded input must stay put (the loss is per example, rows are examples).
 Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first into one sentence.
@@ -30,7 +30,9 @@ from torch import Tensor, nn
 
 from dptext.allocator import release_freed_memory
 from dptext.errors import UserError
-from dptext.privacy.proof.probe_checks import ReferenceFailed, probe_one, with_row
+from dptext.privacy.proof.independence import with_row
+from dptext.privacy.proof.probe_checks import probe_one
+from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "

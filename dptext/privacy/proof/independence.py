@@ -1,0 +1,101 @@
+"""Examples must not interact: re-drawing one example may move no other example's loss nor any other row of a
+recorded layer input (the loss is per example, and rows are examples). Checked on the plain model where the probe
+stops early, and with the engine's hooks otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dptext.privacy.proof.reference import ReferenceFailed, same_randomness
+
+
+def with_row(batch: dict[str, Any], fresh: dict[str, Any], example: int) -> dict[str, Any]:
+    """``batch`` with ``example``'s row of every per-example tensor (first dimension = the examples) taken from
+    ``fresh``, another synthetic batch of the same shape: tokens, lengths and labels of that example re-drawn."""
+    examples = next(iter(v for v in batch.values() if isinstance(v, Tensor))).shape[0]
+    out = dict(batch)
+    for key, value in batch.items():
+        other = fresh.get(key)
+        if isinstance(value, Tensor) and isinstance(other, Tensor) and value.ndim and value.shape[0] == examples \
+                and other.shape == value.shape:
+            out[key] = value.clone()
+            out[key][example] = other[example]
+    return out
+
+
+def same_values(a: Tensor, b: Tensor) -> bool:
+    """Equal up to rounding: the probe recomputes the same rows with the same kernels, so they agree to the last
+    bits in fp64 (1e-9) and to a few ulps in fp32 (the probe of a large model runs in its own precision; examples
+    that interact move each other by far more)."""
+    tight = a.dtype == torch.float64 and b.dtype == torch.float64
+    return bool(torch.allclose(a.double(), b.double(), rtol=1e-9 if tight else 1e-5, atol=1e-12 if tight else 1e-6))
+
+
+def others(loss: Tensor, example: int) -> Tensor:
+    return torch.arange(len(loss), device=loss.device) != example
+
+
+LOSSES_INTERACT = ("changing one example changed another example's loss, so examples interact (in-batch "
+                   "negatives, batch statistics, a batch-averaged loss, routing by score across the batch); such a "
+                   "loss needs another privacy unit")
+
+
+ROWS_INTERACT = ("changing one example changed other rows of its input, so its rows are not one example each "
+                 "(sequence-first layout, experts fed gathered tokens)")
+
+
+def check_loss_independence(engine, report, batch, redraw, loss_fn, device, loss: Tensor) -> None:
+    """Re-draw each example's tokens in turn: every other example's loss must stay put (checked without the
+    hooks). Every example, not one: a router that picks tokens by score lets only some examples move others.
+
+    Used where the probe stops early, so that interacting examples are named before a layer the engine refused.
+    The losses compared are all computed the same way (no autograd, hooks paused): the reference pass differs in
+    the last bits wherever a kernel takes another path when its weights require gradients (seen on Longformer in
+    fp32), and that must not read as examples interacting, nor widen the tolerance that catches real ones."""
+    for example in range(len(loss)):
+        other, keep = plain_loss(engine, redraw(example), loss_fn, device), others(loss, example)
+        if other.shape != loss.shape or not same_values(other[keep], loss[keep]):
+            report.loss_problem = LOSSES_INTERACT
+            return
+
+
+def check_redrawn_examples(engine, report, redraw, loss_fn, device, loss, rows_before) -> None:
+    """Re-draw each example's tokens in turn, with the hooks: every other example's loss and every other row of
+    every recorded input must stay put (the loss is per example, and rows are examples). One hooked pass per
+    example checks both; ``loss`` and ``rows_before`` come from the hooked pass of the unchanged batch, so all
+    the values compared are computed the same way (see ``check_loss_independence``)."""
+    engine.recorder.take_uses()
+    engine.recorder.probing = True
+    for example in range(len(loss)):
+        with same_randomness(device):
+            other = loss_fn(engine.model, redraw(example)).detach()
+        changed_uses = list(engine.recorder.uses)
+        engine.recorder.take_uses()
+        keep = others(loss, example)
+        if other.shape != loss.shape or not same_values(other[keep], loss[keep]):
+            report.loss_problem = LOSSES_INTERACT
+            return
+        for (module, a), second in zip(rows_before, changed_uses):
+            b = _first_tensor(second.activation)
+            if module is not second.module or a is None or b is None or a.shape != b.shape or len(a) != len(loss):
+                continue
+            if not same_values(a[keep], b[keep]):
+                report.refuse(module, ROWS_INTERACT)
+
+
+def _first_tensor(activation: Any) -> Tensor | None:
+    value = activation[0] if isinstance(activation, tuple) else activation
+    return value if isinstance(value, Tensor) else None
+
+
+def plain_loss(engine, batch, loss_fn, device) -> Tensor:
+    """The loss without the engine's hooks or autograd; a failure of the model's own forward is ReferenceFailed."""
+    try:
+        with torch.no_grad(), engine.recorder.paused(), same_randomness(device):
+            return loss_fn(engine.model, batch)
+    except RuntimeError as error:
+        raise ReferenceFailed(type(error).__name__) from error

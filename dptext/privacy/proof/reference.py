@@ -1,0 +1,121 @@
+"""The probe's reference: plain per-example autograd, without the engine's hooks, for the compared parameters.
+
+It is the brute force the engine's norms and clipped sums are checked against (``probe_checks.compare``): one
+autograd pass per example's loss over a retained graph, each example's gradient folded into the clipped sums as
+soon as it is taken. A reference that fails or is not finite itself is ``ReferenceFailed``: nothing can be proven.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from dptext.privacy.clipping import sums as clipping
+
+
+@contextmanager
+def same_randomness(device: torch.device):
+    """Every forward of the probe draws the same dropout masks."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(20240601)
+        yield
+
+
+class ReferenceFailed(RuntimeError):
+    """Plain per-example autograd itself fails or is not finite on the synthetic batch (Longformer's fp32 softmax
+    mask turns into -inf in fp64; an input changed in place after a layer read it): nothing to compare against.
+    The probe retries in the model's own dtype, then refuses."""
+
+
+@contextmanager
+def requiring_grad(params: list[nn.Parameter]):
+    """Every planned parameter requires grad inside (book-keeping keeps them out of autograd), as it was after."""
+    was = [p.requires_grad for p in params]
+    try:
+        for param in params:
+            param.requires_grad_(True)
+        yield
+    finally:
+        for param, flag in zip(params, was):
+            param.requires_grad_(flag)
+
+
+class Reference:
+    """Plain per-example autograd without the engine's hooks, for one probe batch: the loss, each example's squared
+    gradient norm per compared parameter, and Σ_i c_i·g_i with the engine's C and layout.
+
+    ``params`` are the parameters compared (those of one representative layer per use pattern,
+    ``dptext.privacy.proof.patterns``); ``other_norms_sq`` the engine's per-example squared norms of the rest,
+    which complete each example's whole-model norm in the all-layer layout (they come from the same rules on the
+    same code paths as the representatives', whose norms are compared here). A coefficient needs only its own
+    example's norms, so each example's gradient is folded into the sums as soon as it is taken and dropped:
+    holding all of them (B model-sized fp64 copies) made the probe's peak 14.8 fp32 model sizes on a random
+    36M-parameter Llama, 9.2 without (``benchmarks/probe_memory.py``)."""
+
+    def __init__(self, engine, batch, loss_fn, device, params: list[nn.Parameter],
+                 other_norms_sq: dict[nn.Parameter, Tensor] | None = None):
+        params = list(params)
+        others = other_norms_sq or {}
+        squares: list[dict[nn.Parameter, Tensor]] = []
+        self.params = params
+        self.sums = [torch.zeros_like(p, dtype=reference_dtype(p)) for p in params]
+        with requiring_grad(params):
+            with engine.recorder.paused(), same_randomness(device):
+                loss = loss_fn(engine.model, batch)
+            self.loss = loss.detach()
+            for i in range(len(loss) if loss.ndim == 1 else 0):
+                row = _example_gradient(loss[i], params)
+                norms = {p: squared_norm(g) for g, p in zip(row, params)}
+                if not all(bool(torch.isfinite(n)) for n in norms.values()):
+                    raise ReferenceFailed("non-finite losses or gradients")
+                whole = {**norms, **{p: n[i:i + 1].double() for p, n in others.items() if p not in norms}}
+                coef, _ = clipping.clip_coefficients(whole, engine.max_grad_norm, engine.clipping_layout,
+                                                     len(engine.params))
+                for total, g, p in zip(self.sums, row, params):
+                    total.add_(g.to(total.dtype), alpha=float(coef[p]))
+                squares.append(norms)
+        self.norms_sq = {p: torch.cat([each[p] for each in squares]) if squares else None for p in params}
+        if not bool(torch.isfinite(self.loss).all()):
+            raise ReferenceFailed("non-finite losses or gradients")
+
+
+def reference_dtype(param: Tensor) -> torch.dtype:
+    """fp64 sums where the probe runs in fp64; at least fp32 otherwise (bf16 sums would lose the comparison)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def _example_gradient(example_loss: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
+    """One example's gradient of every compared parameter (zeros where it has none), from the retained graph."""
+    row = torch.autograd.grad(example_loss, params, retain_graph=True, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(row, params)]
+
+
+NORM_CHUNK = 1 << 16  # entries per partial dot product
+
+
+def squared_norm(gradient: Tensor) -> Tensor:
+    """‖g‖² as a (1,) fp64 tensor: the norms of rows of 65,536 entries in g's own precision, squared and summed in
+    fp64. One fp32 reduction over a 65M-entry embedding gradient is off by ~1e-3 relative (the comparison's whole
+    tolerance); converting g to fp64 first cost a quarter of the reference's time, and one dot product per chunk
+    (a thousand kernel calls per embedding gradient) more than half of the whole probe's. A non-finite entry makes
+    it non-finite, which the caller checks instead of scanning g again."""
+    flat = gradient.reshape(-1)
+    whole = flat.numel() - flat.numel() % NORM_CHUNK
+    parts = [torch.linalg.vector_norm(flat[:whole].view(-1, NORM_CHUNK), dim=1)] if whole else []
+    if whole < flat.numel():
+        parts.append(torch.linalg.vector_norm(flat[whole:]).reshape(1))
+    if not parts:
+        return flat.new_zeros(1, dtype=torch.float64)
+    return torch.cat(parts).double().pow(2).sum().reshape(1)
+
+
+def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=None) -> Reference:
+    """The reference for one probe batch (``Reference``); a failure of plain autograd is ``ReferenceFailed``."""
+    try:
+        return Reference(engine, batch, loss_fn, device, params, other_norms_sq)
+    except RuntimeError as error:
+        if isinstance(error, ReferenceFailed):
+            raise
+        raise ReferenceFailed(type(error).__name__) from error
