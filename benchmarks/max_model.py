@@ -8,7 +8,12 @@ The family is TinyLlama-1.1B's shape (hidden 2048, intermediate 5632, 32 heads w
 parameters, L = 22 is 1.1B. Every (mode, L) is one child process that builds the model, then
 * ``nonprivate``: three Adam steps on a batch of 2 × 32 random tokens (the median is the step time);
 * ``dp``: a book-keeping ``PrivacyEngine`` with its default settings, the start-up proof (``engine.verify()``,
-  timed on its own), then three DP-Adam steps on the same batch.
+  timed on its own), then three DP-Adam steps on the same batch;
+* ``nonprivate-fsdp2`` / ``dp-fsdp2``: the same on 2 ranks (``torchrun``, gloo on the CPU), the model built whole
+  on each rank and then ``fully_shard``-ed per decoder layer and at the root, as ``train.sharding: fsdp`` does; DP
+  runs the default proof on the whole model first (as ``dptext finetune`` does) and reduces its clipped sums a
+  chunk of layers at a time. The cap applies to the ranks together (one machine); peaks are per rank (the
+  largest, each rank's in ``rank_peak_bytes``).
 On the CPU the parent samples the child's resident memory and kills it above the cap (``fits: false``); the peak
 is the kernel's high-water mark (``VmHWM``), reset between the proof and the steps so each has its own. On CUDA
 the peak is ``torch.cuda.max_memory_allocated`` (reset the same way), and the cap is the device's memory: an
@@ -36,7 +41,8 @@ FULL = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 3
         "vocab_size": 32000}
 TINY = {"hidden_size": 64, "intermediate_size": 172, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 512}
-MODES = ("nonprivate", "dp")
+MODES = ("nonprivate", "dp", "nonprivate-fsdp2", "dp-fsdp2")
+RANKS = 2  # the FSDP2 modes: gloo processes on one machine (CPU) or one per GPU
 BATCH, LENGTH, STEPS = 2, 32, 3  # the first step allocates Adam's state: the median is a steady one
 
 
@@ -74,29 +80,46 @@ def reset_peak(device: str) -> None:
 
 
 def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
-    """One trial in this process; prints its numbers as one JSON line."""
+    """One trial in this process (with FSDP2: this rank's part of it); returns its numbers."""
     import torch
 
     from dptext.privacy import PrivacyEngine, causal_lm_loss
 
-    model = build(layers, tiny, device)
+    ctx = None
+    if mode.endswith("fsdp2"):
+        from dptext.finetune.distributed import current
+
+        ctx = current(device)
+        ctx.sharded = True  # on CUDA each rank took cuda:LOCAL_RANK as its current device
+    model = build(layers, tiny, device)  # whole on every rank, as dptext's loader does before fully_shard
     model.train()
     parameters = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, model.config.vocab_size, (BATCH, LENGTH), generator=generator).to(device)
+    local = BATCH // (ctx.world_size if ctx else 1)
+    generator = torch.Generator().manual_seed(1 + (ctx.rank if ctx else 0))
+    ids = torch.randint(1, model.config.vocab_size, (local, LENGTH), generator=generator).to(device)
     mask = torch.ones_like(ids)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     row = {"mode": mode, "layers": layers, "parameters": parameters}
+    private = mode.startswith("dp")
+    if private and ctx is not None:  # the default proof on the whole model, then fully_shard (prove_then_shard)
+        probe = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+                              max_grad_norm=1.0, expected_batch_size=BATCH, dataset_size=1000, verify=False)
+        prove(probe, row, device)
+        probe.detach()
+        del probe
+    if ctx is not None:
+        from dptext.finetune.sharding import shard_model
+
+        shard_model(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     engine = None
-    if mode == "dp":
+    if private:
         engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=BATCH,
-                               dataset_size=1000)
-        reset_peak(device)
-        start = time.perf_counter()
-        engine.verify()
-        row["probe_seconds"] = time.perf_counter() - start
-        row["probe_peak_bytes"] = peak_now(device)
+                               dataset_size=1000, distributed=ctx, verify=ctx is None)
+        if ctx is None:
+            prove(engine, row, device)
+        else:
+            engine.verified = True  # proven above on the same modules (finetune's mark_verified)
 
     def step() -> float:
         start = time.perf_counter()
@@ -104,34 +127,73 @@ def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
             logits = model(input_ids=ids, attention_mask=mask).logits
         if engine is None:
             causal_lm_loss(logits, ids, mask).sum().backward()
+            if ctx is not None:
+                ctx.average_gradients(list(model.parameters()), local)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:
             engine.step(causal_lm_loss(logits, ids, mask))
-        if device == "cuda":
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
     reset_peak(device)
     times = sorted(step() for _ in range(STEPS))
     row.update(fits=True, peak_bytes=peak_now(device), step_seconds=times[len(times) // 2])
+    if ctx is not None:  # the largest over the ranks (per-rank peaks kept)
+        ranks = ctx.gather(row)
+        row = {**ranks[0], **{key: max(r[key] for r in ranks) for key in
+                              ("peak_bytes", "step_seconds", "probe_seconds", "probe_peak_bytes") if key in row}}
+        row["rank_peak_bytes"] = [r["peak_bytes"] for r in ranks]
     if "probe_seconds" in row:
         row["probe_steps"] = row["probe_seconds"] / row["step_seconds"]
         row["probe_to_step_peak"] = row["probe_peak_bytes"] / row["peak_bytes"]
+    if ctx is not None:
+        from dptext.finetune.distributed import release
+
+        rank = ctx.rank
+        release()
+        return row if rank == 0 else {}
     return row
 
 
+def prove(engine, row: dict, device: str) -> None:
+    """The engine's start-up proof, timed, with its own peak memory."""
+    reset_peak(device)
+    start = time.perf_counter()
+    engine.verify()
+    row["probe_seconds"] = time.perf_counter() - start
+    row["probe_peak_bytes"] = peak_now(device)
+
+
 def rss_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+    """The resident memory of ``pid`` and all of its descendants (torchrun's ranks)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo.extend(children.get(current, []))
+        try:
+            with open(f"/proc/{current}/statm") as statm:
+                total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            pass
+    return total
 
 
 def trial(mode: str, layers: int, args) -> dict:
     """Run one (mode, L) in a child process; kill it above the cap (CPU)."""
     command = [sys.executable, __file__, "--child", mode, "--layers", str(layers), "--device", args.device]
+    if mode.endswith("fsdp2"):
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS)]
     command += ["--tiny"] if args.tiny else []
     cap = args.cap_gb * 2**30
     start = time.perf_counter()
@@ -139,7 +201,7 @@ def trial(mode: str, layers: int, args) -> dict:
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     killed = False
     while proc.poll() is None:
-        if args.device == "cpu" and rss_of(proc.pid) > cap:
+        if args.device == "cpu" and rss_of(proc.pid) > cap:  # FSDP2: the ranks together (one machine)
             proc.send_signal(signal.SIGKILL)
             killed = True
         time.sleep(0.05)
@@ -148,7 +210,8 @@ def trial(mode: str, layers: int, args) -> dict:
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     if rows and proc.returncode == 0:
         row = {**rows[-1], "wall_seconds": wall}
-        if args.device == "cpu" and max(row.get("peak_bytes", 0), row.get("probe_peak_bytes", 0)) > cap:
+        ranks = len(row.get("rank_peak_bytes", [0]))
+        if args.device == "cpu" and ranks * max(row.get("peak_bytes", 0), row.get("probe_peak_bytes", 0)) > cap:
             # the sampler looks every 50 ms; the kernel's high-water mark is exact and has the last word
             row.update(fits=False, why="peak above the memory cap (between two samples)")
         return row
@@ -178,9 +241,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, int(args.layers), args.tiny, args.device)), flush=True)
+        row = child(args.child, int(args.layers), args.tiny, args.device)
+        if row:
+            print(json.dumps(row), flush=True)
         return {}
-    default_layers = "1,2,4" if args.tiny else ("22,44,66,88,110" if args.device == "cuda" else "4,8,11,16,22")
+    default_layers = "1,2" if args.tiny else ("22,44,66,88,110" if args.device == "cuda" else "4,8,11,16,22")
     layer_counts = sorted(int(n) for n in (args.layers or default_layers).split(","))
     start, rows, largest = time.perf_counter(), [], {}
     for mode in args.modes.split(","):
@@ -196,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
             largest[mode] = {"layers": layers, "parameters": row["parameters"]}
     result = {"what": f"largest TinyLlama-shaped model (L layers, random weights) that trains {STEPS} steps of "
                       f"batch {BATCH} x {LENGTH} tokens: non-private Adam vs dptext DP-Adam book-keeping with its "
-                      "default settings (start-up proof on)",
+                      f"default settings (start-up proof on), in one process and on {RANKS} FSDP2 ranks",
               "device": args.device, "machine": machine(args.device), "cap_gb": args.cap_gb if args.device == "cpu"
               else None, "tiny": args.tiny, "rows": rows, "largest": largest}
     if args.out:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
+
+import pytest
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -29,3 +31,32 @@ def test_a_trial_killed_above_the_cap_does_not_fit(tmp_path):
     result = max_model.main(["--tiny", "--layers", "1", "--modes", "nonprivate", "--cap-gb", "0.01"])
     assert result["rows"][0]["fits"] is False and "cap" in result["rows"][0]["why"]
     assert result["largest"] == {}
+
+
+@pytest.mark.slow  # two torchrun jobs of 2 gloo ranks: ~1 min
+def test_the_fsdp2_modes_train_on_two_ranks_with_the_proof_before_sharding(tmp_path):
+    result = max_model.main(["--tiny", "--layers", "1", "--modes", "nonprivate-fsdp2,dp-fsdp2"])
+    rows = {row["mode"]: row for row in result["rows"]}
+    assert rows["nonprivate-fsdp2"]["fits"] and rows["dp-fsdp2"]["fits"]
+    dp = rows["dp-fsdp2"]
+    assert len(dp["rank_peak_bytes"]) == max_model.RANKS and dp["peak_bytes"] == max(dp["rank_peak_bytes"])
+    assert dp["probe_seconds"] > 0 and dp["probe_peak_bytes"] > 0
+
+
+def test_the_memory_watch_counts_every_descendant(tmp_path):
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                              "p = subprocess.Popen([sys.executable, '-c', 'import time; x = bytearray(300 << 20); "
+                              "time.sleep(30)']); time.sleep(30)"])
+    try:
+        import time
+
+        deadline = time.time() + 20
+        while max_model.rss_of(child.pid) < 300 << 20 and time.time() < deadline:
+            time.sleep(0.1)
+        assert max_model.rss_of(child.pid) >= 300 << 20  # the grandchild's 300 MiB count
+    finally:
+        for pid in [child.pid]:
+            subprocess.run(["pkill", "-P", str(pid)])
+        child.kill()
