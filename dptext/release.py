@@ -77,8 +77,9 @@ RUN_ENTRIES = (
           holds_seed=True),
     Entry("provenance.json", PUBLIC, "git revision, package versions, command line, machine", holds_seed=True),
     Entry("ledger.json", COVERED, "q, σ per step, δ and ε per accountant",
-          "functions of the settings and of n; n (the training-set size) is treated as public, as in DP-SGD "
-          "accounting", dp_result=True),
+          "functions of the settings and of n; n (the number of privacy units: training records, or users under "
+          "privacy.unit=user) is treated as public, as in DP-SGD accounting; a user-level run's number of records "
+          "is not (it goes to diagnostics_not_private.jsonl)", dp_result=True),
     Entry("metrics.jsonl", COVERED, "per logged step: step, epoch, ε spent; evaluation metrics",
           "ε depends on the settings only; evaluation scores are post-processing of the DP model on the "
           "evaluation split (which is not a training set: ε says nothing about its records)", dp_result=True),
@@ -86,7 +87,7 @@ RUN_ENTRIES = (
           "per logged step: exact mean training loss, realised Poisson batch size, seconds; the run's total "
           "seconds (with those of journaled evaluation batches it did not redo)",
           "un-noised statistics of the sampled private batches: the batch size alone tells whether a record "
-          "was sampled"),
+          "was sampled; under privacy.unit=user also the exact numbers of users and training records"),
     Entry("result.json", COVERED, "final evaluation, privacy summary, settings", "as metrics.jsonl",
           dp_result=True),
     Entry("final_evaluation.jsonl", COVERED, "the final evaluation's finished batches (generated completions, "
