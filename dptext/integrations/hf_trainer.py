@@ -35,6 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from dptext.accounting import calibrate_noise_multiplier, compute_epsilon, StepRun
 from dptext.accounting.calibrate import check_training_accountant
+from dptext.accounting.pld import MIN_SIGMA
 from dptext.errors import UserError
 from dptext.finetune.distributed import current as current_process_group
 from dptext.integrations.poisson_batches import LogicalBatch, PoissonBatches, model_input_collator
@@ -140,6 +141,9 @@ class DPTrainer(ReleaseListing, Trainer):
         check_training_accountant(privacy.accountant)
         if privacy.target_epsilon is None and privacy.noise_multiplier is None:
             raise UserError("Give PrivacyArguments a target_epsilon (σ is calibrated to it) or a noise_multiplier.")
+        if privacy.noise_multiplier is not None and 0 < privacy.noise_multiplier < MIN_SIGMA:  # as the recipe bound
+            raise UserError(f"noise_multiplier={privacy.noise_multiplier:g} is below {MIN_SIGMA}, where ε is in the "
+                            "thousands or beyond (no meaningful privacy); raise it (or use 0 only to test clipping).")
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise UserError("DPTrainer needs a train_dataset with a length (Poisson sampling draws from all n "
                             "examples); materialise an iterable dataset first.")
