@@ -27,8 +27,9 @@ class DataConfig:
         excludes="data.max_train_examples")
     max_eval_examples: Optional[int] = doc(None, "Evaluate on only the first N validation/test examples.", ge=0)
     sample_seed: Optional[int] = doc(None, "Take max_train_examples / max_eval_examples as a seeded random sample "
-                                     "of the split (kept in file order) instead of its first N records; files "
-                                     "sorted by class or category need it for a representative slice.", ge=0)
+                                     "of the split (kept in file order) instead of its first N records (and "
+                                     "max_train_users as a seeded sample of users); files sorted by class or "
+                                     "category need it for a representative slice.", ge=0)
     max_length: int = doc(128, "Maximum tokens per example; longer examples are truncated.", ge=1)
     validation_fraction: float = doc(0.1, "Held-out fraction when the source has no validation split.", ge=0, lt=1)
     split_seed: int = doc(0, "Seed of the deterministic split for sources without official splits.", ge=0)
