@@ -14,9 +14,11 @@ guarantee: every ``dp_result`` entry under ``GUARANTEE_FLAGS``, and the files ho
 ``reproducible_noise``.
 
 ``write_manifest`` lists every file under the folder in ``release.json`` with its status and fails on a file
-no entry matches, and ``check_registered`` (called by ``dptext.runs.atomic_write``) refuses to write one: a new
-output cannot appear without a status. Patterns are ``fnmatch`` globs on the POSIX path relative to the
-folder; the first match wins, so specific entries come before the catch-alls of their folder.
+no entry matches (a DPTrainer's output_dir, kind ``trainer``, lists a file it does not know as not covered instead:
+other libraries and the user's script write there too), and ``check_registered`` (called by
+``dptext.runs.atomic_write``) refuses to write one: a new output cannot appear without a status. Patterns are
+``fnmatch`` globs on the POSIX path relative to the folder; the first match wins, so specific entries come before
+the catch-alls of their folder.
 """
 
 from __future__ import annotations
@@ -46,11 +48,15 @@ FLAG_REASONS = {
                               "(privacy.edp_scaling=first_step), a data-dependent choice no accountant covers",
     "reproducible_noise": "the sampler and noise were derived from train.seed (privacy.reproducible_noise=true): "
                           "anyone who knows the seed can regenerate the noise, so files that hold it stay secret",
+    "seeded_noise": "PrivacyArguments.seed was given: the DPTrainer's sampler and noise are reproducible from it, "
+                    "so the seed must stay as secret as the noise",
+    "no_noise": "the steps were clipped but not noised (noise_multiplier=0): nothing the model learnt is DP",
     "clipping_not_verified": "clipping not verified: the start-up probe was switched off (privacy.verify=false), "
                              "so the clipping was never compared with brute-force per-example autograd and ε rests "
                              "on the layer rules alone",
 }
-GUARANTEE_FLAGS = ("non_private", "exact_codes", "data_dependent_scaling")  # inherited by what learns from the output
+# inherited by what learns from the output
+GUARANTEE_FLAGS = ("non_private", "exact_codes", "data_dependent_scaling", "no_noise")
 
 
 class UnregisteredOutput(UserError):
@@ -70,6 +76,10 @@ class Entry:
 
 _TOKENIZER = "the pretrained model's tokenizer, saved unchanged (never trained on the data)"
 _MODEL_WEIGHTS = "weights and configuration of the model trained with DP-SGD"
+_TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                    "chat_template.jinja")
+_TOKENIZER_GIVEN = ("the tokenizer given to the Trainer, saved unchanged (public when it was not fitted on the "
+                    "private data)")
 
 RUN_ENTRIES = (
     Entry(MANIFEST, PUBLIC, "this manifest"),
@@ -77,8 +87,9 @@ RUN_ENTRIES = (
           holds_seed=True),
     Entry("provenance.json", PUBLIC, "git revision, package versions, command line, machine", holds_seed=True),
     Entry("ledger.json", COVERED, "q, σ per step, δ and ε per accountant",
-          "functions of the settings and of n; n (the training-set size) is treated as public, as in DP-SGD "
-          "accounting", dp_result=True),
+          "functions of the settings and of n; n (the number of privacy units: training records, or users under "
+          "privacy.unit=user) is treated as public, as in DP-SGD accounting; a user-level run's number of records "
+          "is not (it goes to diagnostics_not_private.jsonl)", dp_result=True),
     Entry("metrics.jsonl", COVERED, "per logged step: step, epoch, ε spent; evaluation metrics",
           "ε depends on the settings only; evaluation scores are post-processing of the DP model on the "
           "evaluation split (which is not a training set: ε says nothing about its records)", dp_result=True),
@@ -86,7 +97,7 @@ RUN_ENTRIES = (
           "per logged step: exact mean training loss, realised Poisson batch size, seconds; the run's total "
           "seconds (with those of journaled evaluation batches it did not redo)",
           "un-noised statistics of the sampled private batches: the batch size alone tells whether a record "
-          "was sampled"),
+          "was sampled; under privacy.unit=user also the exact numbers of users and training records"),
     Entry("result.json", COVERED, "final evaluation, privacy summary, settings", "as metrics.jsonl",
           dp_result=True),
     Entry("final_evaluation.jsonl", COVERED, "the final evaluation's finished batches (generated completions, "
@@ -95,12 +106,7 @@ RUN_ENTRIES = (
     Entry("model/intent_slot_labels.json", PUBLIC, "the declared intents and BIO slot tags (task.intents, "
           "task.slot_types)"),
     Entry("model/clc_vocabulary.json", PUBLIC, "the clc encoder's fixed character set (no words of the data)"),
-    Entry("model/tokenizer*", PUBLIC, _TOKENIZER),
-    Entry("model/special_tokens_map.json", PUBLIC, _TOKENIZER),
-    Entry("model/added_tokens.json", PUBLIC, _TOKENIZER),
-    Entry("model/vocab.*", PUBLIC, _TOKENIZER),
-    Entry("model/merges.txt", PUBLIC, _TOKENIZER),
-    Entry("model/chat_template.jinja", PUBLIC, _TOKENIZER),
+    *(Entry(f"model/{name}", PUBLIC, _TOKENIZER) for name in _TOKENIZER_FILES),
     Entry("model/*", COVERED, _MODEL_WEIGHTS, "DP-SGD; post-processing of the noisy gradients", dp_result=True),
     Entry("student_init/*", PUBLIC, "the student's initial weights, cut from a public pretrained model"),
     Entry("student.json", PUBLIC, "which layers of which public model the student keeps"),
@@ -136,7 +142,41 @@ SYNTH_ENTRIES = (
           "functions of the settings", dp_result=True),
 )
 
-REGISTRIES = {"run": RUN_ENTRIES, "synth": SYNTH_ENTRIES}
+_TRAINER_STATISTICS = ("un-noised statistics of the sampled private batches: total_flos counts the tokens of the "
+                       "batches drawn (every step's batch size with save_steps=1), train_runtime and throughput "
+                       "follow the realised batch sizes, and the logged loss is the exact mean over the batch")
+# dptext.integrations.DPTrainer's output_dir: the Trainer's own file names ("*" crosses "/": any checkpoint-N/)
+TRAINER_ENTRIES = (
+    Entry(MANIFEST, PUBLIC, "this manifest"),
+    Entry("*privacy.json", COVERED, "q, σ, steps, δ, ε spent and the mechanism (the run's, and each checkpoint's)",
+          "functions of the settings and of n (the training-set size, treated as public as in DP-SGD accounting)",
+          dp_result=True),
+    Entry("*trainer_state.json", NOT_COVERED, "the Trainer's state: log history with the per-step training loss, "
+          "total_flos, train_runtime and throughput", _TRAINER_STATISTICS),
+    Entry("*train_results.json", NOT_COVERED, "final training metrics (train_loss, train_runtime, total_flos, "
+          "samples and steps per second)", _TRAINER_STATISTICS),
+    Entry("*all_results.json", NOT_COVERED, "all saved metrics, the training ones included", _TRAINER_STATISTICS),
+    Entry("*eval_results.json", COVERED, "evaluation metrics of the DP-trained model",
+          "post-processing of the DP model on the evaluation data (not covered if that data is the training data)",
+          dp_result=True),
+    Entry("*rng_state*.pth", NOT_COVERED, "the training process's random generator states, kept for resuming",
+          "states of the process that trained on the private batches; not needed to share the model"),
+    Entry("*training_args.bin", PUBLIC, "the TrainingArguments (settings, no data)"),
+    Entry("*optimizer.pt", COVERED, "optimizer state (moments of the noisy gradients)",
+          "DP-SGD; post-processing of the noisy gradients", dp_result=True),
+    Entry("*scheduler.pt", PUBLIC, "the learning-rate schedule's state (a function of the step count)"),
+    *(Entry(f"*{name}", PUBLIC, _TOKENIZER_GIVEN) for name in _TOKENIZER_FILES),
+    Entry("*.safetensors", COVERED, _MODEL_WEIGHTS, "DP-SGD; post-processing of the noisy gradients", dp_result=True),
+    Entry("*.bin", COVERED, _MODEL_WEIGHTS, "DP-SGD; post-processing of the noisy gradients", dp_result=True),
+    Entry("*config.json", COVERED, "model (adapter, generation) configuration of the DP-trained model",
+          "DP-SGD; post-processing of the noisy gradients", dp_result=True),
+    Entry("*README.md", COVERED, "the model card a PEFT adapter is saved with", "written from the configuration",
+          dp_result=True),
+    Entry("*", NOT_COVERED, "a file DPTrainer does not know (another library's logs, your own files)",
+          "dptext cannot tell what it holds"),
+)
+
+REGISTRIES = {"run": RUN_ENTRIES, "synth": SYNTH_ENTRIES, "trainer": TRAINER_ENTRIES}
 
 
 def _match(pattern: str, relative: str) -> bool:

@@ -183,6 +183,26 @@ def test_13_a_degenerate_sigma_is_refused_before_training(capsys):
             "privacy.noise_multiplier")
 
 
+@pytest.mark.parametrize("method", ["dp_sgd", "edp_sgd"])
+def test_13_finetune_refuses_a_degenerate_sigma_before_writing_a_run(method, tmp_path, capsys):
+    """Through `dptext finetune`, for DP-SGD and eDP-SGD (whose privacy.noise_multiplier is z_0) alike."""
+    refused(finetune(tmp_path, "privacy.target_epsilon=null", "privacy.noise_multiplier=1e-9",
+                     f"privacy.method={method}"), capsys, "privacy.noise_multiplier", "0.03")
+    assert not (tmp_path / "run").exists()
+
+
+def test_13_account_answers_a_tiny_sigma_in_seconds(capsys):
+    """`dptext account --sigma 0.001 -q 1 --steps 30 --delta 0.01` died with MemoryError (224 GiB, issue 43)."""
+    started = time.monotonic()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as code:
+        main(["account", "--sigma", "0.001", "-q", "1", "--steps", "30", "--delta", "0.01", "--json"])
+    shown = json.loads(capsys.readouterr().out)
+    assert code.value.code == 0 and time.monotonic() - started < 10
+    results = {row["method"]: row for row in shown["results"]}
+    assert results["rdp"]["epsilon"] > 1e6 and results["pld"]["epsilon"] is None and results["pld"]["note"]
+
+
 def test_13_check_is_fast_and_accepts_a_good_recipe(capsys):
     started = time.monotonic()
     code, err = cli(["check", str(QUICKSTART)], capsys)

@@ -95,12 +95,14 @@ def test_amazon_reviewers_counted_exactly(shared_data):
     assert (stats["users"], stats["per_user"]["max"]) == (7_170, 11)
     assert stats["bounds"][0] == {"k": 1, "users_over_k": 450, "examples_kept": 7_170}
     assert stats["examples"] - (stats["users"] - 450) == 1_113  # the reviews of reviewers with more than one
-    with pytest.raises(UserError, match="139 of 6,400 training records of amazon have no user"):
-        load_split("amazon", "train", path, user_column="reviewer")
+    with pytest.raises(UserError, match="131 of 6,378 training records of amazon have no user"):
+        load_split("amazon", "train", path, user_column="reviewer")  # split by reviewer: other counts than by review
     plain = load_split("amazon", "train", path)
     assert "user" not in plain[0] and len(plain) == 6_400  # without a user column the reviewer is never read
-    assert [r["id"] for r in plain] == [r["id"] for r in load_split("amazon", "train", path, user_column="reviewer",
-                                                                      missing_user="keep")]
+    named = {split: {r["user"] for r in load_split("amazon", split, path, user_column="reviewer", missing_user="keep")
+                     if r["user"]} for split in ("train", "validation", "test")}
+    assert len(named["train"]) == 5_698  # docs/privacy_engine.md; no reviewer is in two splits
+    assert not named["train"] & named["validation"] and not named["train"] & named["test"]
 
 
 def test_dptext_data_shows_counts_per_user_never_ids(folder, capsys):

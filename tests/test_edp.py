@@ -13,7 +13,7 @@ from torch import nn
 
 from dptext.accounting import NoiseSchedule, compute_epsilon
 from dptext.errors import UserError
-from dptext.privacy.edp import ALPHA_FLOOR, EDPEngine, alphas_from_gradients, sensitivity_factor
+from dptext.privacy.edp import ALPHA_FLOOR, SENSITIVITY_FACTOR, EDPEngine, alphas_from_gradients
 
 C = 0.8
 
@@ -30,7 +30,7 @@ def losses(model, x, y):
 
 
 def engine_for(model, **kwargs):
-    settings = dict(noise_multiplier=0.0, max_grad_norm=C, sample_rate=0.5, dataset_size=10)
+    settings = dict(noise_multiplier=0.0, max_grad_norm=C, sample_rate=0.5, dataset_size=10, verify=False)
     settings.update(kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     return EDPEngine(model, optimizer, **settings)
@@ -107,17 +107,28 @@ def test_removing_a_record_from_the_middle_moves_the_clipped_sum_by_at_most_2c()
     assert (old - old_removed).norm() > 2 * clip
 
 
-def test_one_example_per_slot_moves_by_at_most_c_and_needs_more_slots_than_examples():
+MECHANISM_KEYS = ("unit", "slot_rule", "sensitivity", "sensitivity_factor", "accounting_noise_multiplier_0", "slots")
+
+
+@pytest.mark.parametrize("slots", [12, 13, 40])
+def test_neighbours_across_n_equal_m_run_one_mechanism_and_move_by_at_most_its_sensitivity(slots):
+    """Issue 43: the mechanism is a function of M and the settings, never of n. Datasets of n = M−1 and n = M
+    (one record apart; M = 12, 13: both sides of the old M > n switch, and M ≫ n) get the same slot rule, the same
+    sensitivity and the same accounted σ, and their clipped sums differ by at most the accounted sensitivity 2C
+    (the old rule switched to slot = index with sensitivity C at M > n: 4.13·C apart where C was assumed)."""
     n, clip = 12, 0.01
     model, x, y = model_and_data(n)
-    kept = [i for i in range(n) if i != 5]
-    full, engine = clipped_sum(model, x, y, ids(n), n + 1, clip)
-    removed, _ = clipped_sum(model, x[kept], y[kept], [ids(n)[i] for i in kept], n + 1, clip)
-    assert engine.factor == 1 and engine.mechanism()["slot_rule"] == "index"
-    assert (full - removed).norm() <= clip * (1 + 1e-4)
-    # slots = n: adding one record puts two examples in one slot, so the sensitivity is 2C, not C
-    _, edge = clipped_sum(model, x, y, ids(n), n, clip)
-    assert edge.factor == 2 and edge.mechanism()["slot_rule"] == "keyed_hash"
+    removed_at = 5
+    kept = [i for i in range(n) if i != removed_at]
+    sums, mechanisms = [], []
+    for rows in (list(range(n)), kept):
+        total, engine = clipped_sum(model, x[rows], y[rows], [ids(n)[i] for i in rows], slots, clip)
+        sums.append(total)
+        mechanisms.append({k: engine.mechanism()[k] for k in MECHANISM_KEYS})
+    assert mechanisms[0] == mechanisms[1] and mechanisms[0]["slot_rule"] == "keyed_hash"
+    sensitivity = mechanisms[0]["sensitivity"]
+    assert sensitivity == pytest.approx(2 * clip)
+    assert (sums[0] - sums[1]).norm() <= sensitivity * (1 + 1e-4)
 
 
 def test_slots_without_record_ids_are_fresh_draws_per_step():
@@ -128,15 +139,12 @@ def test_slots_without_record_ids_are_fresh_draws_per_step():
     assert len(set(draws)) > 1 and all(0 <= s < 3 for d in draws for s in d)
 
 
-def test_sensitivity_is_2c_unless_each_slot_owns_one_example():
-    assert sensitivity_factor(slots=4, dataset_size=10) == 2
-    assert sensitivity_factor(slots=10, dataset_size=10) == 2  # M = n: adding a record shares a slot
-    assert sensitivity_factor(slots=11, dataset_size=10) == 1
+def test_sensitivity_is_2c_whatever_the_slots_and_the_dataset_size():
+    assert SENSITIVITY_FACTOR == 2
     model, _, _ = model_and_data()
-    engine = engine_for(model, noise_multiplier=3.0)
-    assert engine.accounting_noise_multiplier == 1.5 and engine.mechanism()["sensitivity"] == pytest.approx(2 * C)
-    one_each = engine_for(model, noise_multiplier=3.0, micro_batches_per_device=11)
-    assert one_each.accounting_noise_multiplier == 3.0 and one_each.mechanism()["sensitivity_factor"] == 1
+    for slots, n in ((4, 10), (10, 10), (11, 10), (1000, 3)):
+        engine = engine_for(model, noise_multiplier=3.0, micro_batches_per_device=slots, dataset_size=n)
+        assert engine.accounting_noise_multiplier == 1.5 and engine.mechanism()["sensitivity"] == pytest.approx(2 * C)
 
 
 @pytest.mark.parametrize("kind, rate, closed_form", [

@@ -83,3 +83,41 @@ def test_dp_sgd_probe_also_refuses_running_statistics_of_a_frozen_layer(mode):
                            dataset_size=100, clipping_mode=mode)
     with pytest.raises(UserError, match=r"refused buffer 'norm\.running_mean'.*without noise"):
         engine.verify()
+
+
+def training_batch(model) -> dict:
+    ids = torch.randint(1, VOCAB, (4, 5), generator=torch.Generator().manual_seed(7))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def test_the_probe_runs_by_default_before_the_first_training_forward():
+    """Issue 43: EDPEngine proves by default as PrivacyEngine does; no verify() call is needed, and a model the
+    probe refuses is refused at the first training forward, before any private example goes through it."""
+    model = Tiny()
+    engine = engine_for(model)
+    assert not engine.verified and engine.mechanism()["clipping_verified"] is False
+    with torch.no_grad():  # an evaluation forward proves nothing and is not held up
+        output_functional_loss(model, training_batch(model))
+    assert not engine.verified
+    engine.accumulate(output_functional_loss(model, training_batch(model)))
+    engine.close_unit()
+    assert engine.verified and engine.mechanism()["clipping_verified"] is True
+    refused = Tiny()
+    refused_engine = engine_for(refused)
+
+    def scale_gradient(param):  # as in test_a_hook_that_rewrites_a_gradient_is_refused_naming_the_parameter
+        param.grad.mul_(10.0)
+    refused.fc.weight.register_post_accumulate_grad_hook(scale_gradient)
+    with pytest.raises(UserError, match=r"refused parameter 'fc\.weight'"):
+        output_functional_loss(refused, training_batch(refused))
+    assert not refused_engine.verified
+
+
+def test_opting_out_is_recorded_in_the_mechanism():
+    model = Tiny().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = EDPEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=0.05, sample_rate=0.5, dataset_size=10,
+                       verify=False)
+    engine.accumulate(output_functional_loss(model, training_batch(model)))
+    assert not engine.verified
+    assert "NOT VERIFIED" in engine.mechanism()["clipping"] and "verify=False" in engine.mechanism()["clipping"]

@@ -263,7 +263,10 @@ def test_refusals_of_heads_losses_and_runs(tmp_path):
              lambda: dp_trainer(tmp_path, privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8)),
              lambda: dp_trainer(tmp_path, privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8,
                                                                    target_epsilon=3, accountant="gdp")),
-             lambda: dp_trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path))]
+             lambda: dp_trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path)),
+             # σ = 1e-9 trained to ε ≈ 5.5e17 (issue 43): below the recipe's bound 0.03, refused before training
+             lambda: dp_trainer(tmp_path, privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8,
+                                                                   noise_multiplier=1e-9))]
     for case in cases:
         with pytest.raises(UserError) as refused:
             case()

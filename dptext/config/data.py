@@ -19,10 +19,17 @@ class DataConfig:
     label_column: Optional[str] = doc(None, "Label column for generic jsonl/csv data.")
     max_train_examples: Optional[int] = doc(
         None, "Use only the first N training examples (after the seeded split).", ge=1)
+    max_train_users: Optional[int] = doc(
+        None, "Use only N whole users of the training split (needs data.user_column; privacy.unit=user cuts by "
+        "users, never by records): the first N users in order of first appearance, or with data.sample_seed a "
+        "seeded sample of N users (a keyed hash of each user id). Removing a kept user lets at most one other "
+        "whole user in, as removing a record does under max_train_examples.", ge=1,
+        excludes="data.max_train_examples")
     max_eval_examples: Optional[int] = doc(None, "Evaluate on only the first N validation/test examples.", ge=0)
     sample_seed: Optional[int] = doc(None, "Take max_train_examples / max_eval_examples as a seeded random sample "
-                                     "of the split (kept in file order) instead of its first N records; files "
-                                     "sorted by class or category need it for a representative slice.", ge=0)
+                                     "of the split (kept in file order) instead of its first N records (and "
+                                     "max_train_users as a seeded sample of users); files sorted by class or "
+                                     "category need it for a representative slice.", ge=0)
     max_length: int = doc(128, "Maximum tokens per example; longer examples are truncated.", ge=1)
     validation_fraction: float = doc(0.1, "Held-out fraction when the source has no validation split.", ge=0, lt=1)
     split_seed: int = doc(0, "Seed of the deterministic split for sources without official splits.", ge=0)

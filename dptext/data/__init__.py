@@ -3,7 +3,8 @@
 The rest of dptext builds on three functions:
 
 * ``load_records(data_cfg, split)``: the records of ``train``/``validation``/``test`` for a
-  recipe's ``data`` section, cut to ``max_train_examples`` / ``max_eval_examples``;
+  recipe's ``data`` section, cut to ``max_train_examples`` / ``max_eval_examples`` (or to whole users,
+  ``max_train_users``);
 * ``load_split(dataset, split, path=None, **options)``: the same without a config;
 * ``train_size(data_cfg)``: how many training records there are, which privacy accounting
   needs, counted from the data when it is local, else the published size.
@@ -30,14 +31,14 @@ from dptext.data import atis, dart, dialog, e2e, generic, glue, news, reviews
 from dptext.data.files import gc_paused
 from dptext.data.references import group_references
 from dptext.data.splits import SPLITS, canonical_split
-from dptext.data.users import without_missing_users
+from dptext.data.users import first_users, without_missing_users
 from dptext.errors import UserError
 
 if TYPE_CHECKING:
     from dptext.config import DataConfig
 
-__all__ = ["DATASETS", "DatasetInfo", "SPLITS", "dataset_info", "group_references", "label_names",
-           "load_records", "load_split", "train_size"]
+__all__ = ["DATASETS", "DatasetInfo", "SPLITS", "dataset_info", "group_references", "held_out_users",
+           "label_names", "load_records", "load_split", "train_size"]
 
 READER_OPTIONS = ("text_column", "label_column", "validation_fraction", "split_seed", "user_column")
 
@@ -137,6 +138,12 @@ def load_records(data_cfg: "DataConfig", split: str) -> list[dict]:
         validation_fraction=data_cfg.validation_fraction, split_seed=data_cfg.split_seed,
         user_column=data_cfg.user_column, missing_user=data_cfg.missing_user,
     )
+    users_limit = data_cfg.max_train_users
+    if users_limit is not None and canonical_split(split) == "train":
+        if not data_cfg.user_column:
+            raise UserError("data.max_train_users cuts the training split by users but data.user_column is empty; "
+                            "set data.user_column, or use data.max_train_examples.")
+        return first_users(records, users_limit, data_cfg.sample_seed)
     limit = data_cfg.max_train_examples if canonical_split(split) == "train" else data_cfg.max_eval_examples
     if limit is not None:
         if limit < 0:
@@ -152,6 +159,17 @@ def _first_or_sampled(records: list[dict], limit: int, seed: int | None) -> list
         return records[:limit]
     keep = sorted(random.Random(seed).sample(range(len(records)), limit))
     return [records[i] for i in keep]
+
+
+def held_out_users(data_cfg: "DataConfig") -> bool:
+    """Whether validation and test hold only users that training never sees: a reader that reads users splits one
+    source by user (``dptext.data.splits.user_split``); a folder of your own split files is used as you wrote it.
+    A rule on the recipe and the path's kind only, never on the records, so saying it reveals nothing."""
+    if not data_cfg.user_column:
+        return False
+    info = dataset_info(data_cfg.dataset)
+    own_files = info.read in (generic.read_jsonl, generic.read_csv, generic.read_tsv)
+    return info.has_users and not (own_files and data_cfg.path and Path(data_cfg.path).is_dir())
 
 
 def train_size(data_cfg: "DataConfig") -> int:

@@ -6,8 +6,9 @@ text, None where it is missing or blank; see ``dptext.data.users``). Labels writ
 ``"3"``) become ints; other labels stay strings for the task to map.
 
 ``data.path`` is either one file, split by the seeded partition (``validation_fraction``
-each for validation and test), or a folder with one file per split: ``train.<ext>``,
-``validation.<ext>`` (or ``dev``/``valid``) and ``test.<ext>``.
+each for validation and test; by user when ``user_column`` is given, so validation and test hold other users
+than training), or a folder with one file per split: ``train.<ext>``, ``validation.<ext>`` (or
+``dev``/``valid``) and ``test.<ext>`` (split as you wrote them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dptext.data.files import existing_path
-from dptext.data.splits import canonical_split, seeded_split
+from dptext.data.splits import canonical_split, seeded_split, user_split
 from dptext.data.users import USER, user_id
 from dptext.errors import UserError
 
@@ -125,9 +126,10 @@ def read_table(kind: str, split: str, path: Optional[str] = None, text_column: O
     if source.is_dir():
         return read_table_file(_split_file(source, split, kind), text_column, label_column, user_column)
     records = read_table_file(source, text_column, label_column, user_column)
-    # A row's place in the file is its identity for the seeded split.
+    # A row's place in the file is its identity for the seeded split; with users, the user is (held-out users)
     row_number = {id(record): str(number) for number, record in enumerate(records)}
-    return seeded_split(records, split, lambda r: row_number[id(r)], validation_fraction, split_seed)
+    divide = user_split if user_column is not None else seeded_split
+    return divide(records, split, lambda r: row_number[id(r)], validation_fraction, split_seed)
 
 
 def read_jsonl(split: str, path: Optional[str] = None, **options) -> list[dict[str, Any]]:

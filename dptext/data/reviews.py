@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 from dptext.data.files import data_folder, existing_path, file_in
 from dptext.data.hub import load_hub_split
-from dptext.data.splits import canonical_split, halve_seeded, seeded_split
+from dptext.data.splits import canonical_split, halve_seeded, seeded_split, user_split
 from dptext.data.users import USER, user_id
 from dptext.errors import UserError
 from dptext.paths import downloads_cache
@@ -115,9 +115,10 @@ def read_amazon_all(path: Optional[str], user_column: Optional[str] = None) -> l
 
 def read_amazon(split: str, path: Optional[str] = None, validation_fraction: float = 0.1, split_seed: int = 0,
                 user_column: Optional[str] = None, **_options) -> list[dict[str, Any]]:
-    # split by review id whether or not users are read: the three settings of the user-level demo share one test set
+    # by reviewer when users are read (held-out reviewers for user-level DP), else by review id
     records = read_amazon_all(path, user_column)
-    return seeded_split(records, split, lambda r: r["id"], validation_fraction, split_seed)
+    divide = user_split if user_column is not None else seeded_split
+    return divide(records, split, lambda r: r["id"], validation_fraction, split_seed)
 
 
 def _imdb_source(path: Optional[str]) -> Path:

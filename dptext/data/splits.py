@@ -5,7 +5,8 @@ move an example to another split when unrelated examples are added. So each exam
 each dialog, for dialog data) is placed by the SHA-256 of ``seed`` and its own stable key,
 never by Python's salted ``hash`` or by its position in the file: the keys are sorted by that
 digest, the first ``round(n * fraction)`` form the test split, the next as many the
-validation split, and the rest train.
+validation split, and the rest train. Records with users (user-level DP) are placed by user instead
+(``user_split``): each user by its own digest against the fractions, so no rank moves when a user is added.
 """
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ def seeded_split(
     assignment = partition_keys((key(r) for r in records), validation_fraction, seed)
     wanted = canonical_split(split)
     return [r for r in records if assignment[key(r)] == wanted]
+
+
+def user_split(records: Sequence[dict[str, Any]], split: str, key: Callable[[dict[str, Any]], str],
+               validation_fraction: float, seed: int) -> list[dict[str, Any]]:
+    """The records of one split when records carry users (user-level DP): all of a user's records go to one split,
+    so validation and test hold users training never saw, and a user's split is a function of its own id alone
+    (its keyed digest against the fractions, not its rank among the others), so adding or removing one user
+    moves no other user between splits. Records without a user are placed the same way by ``key``."""
+    fraction = check_fraction(validation_fraction)
+    wanted = canonical_split(split)
+
+    def place(record: dict[str, Any]) -> str:
+        user = record.get("user")
+        unit = f"user\x00{user}" if isinstance(user, str) and user else f"record\x00{key(record)}"
+        share = int.from_bytes(_digest(seed, unit)[:8], "big") / 2 ** 64
+        return "test" if share < fraction else "validation" if share < 2 * fraction else "train"
+    return [r for r in records if place(r) == wanted]
 
 
 def halve_seeded(

@@ -12,6 +12,7 @@ messages give counts and positions only. ``user_statistics`` gives counts, never
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 from typing import Any, Optional
 
@@ -63,6 +64,27 @@ def user_groups(records: list[dict]) -> list[list[int]]:
                             "data.missing_user=drop to train without records that lack one).")
         groups.setdefault(user, []).append(index)
     return list(groups.values())
+
+
+def first_users(records: list[dict], limit: int, seed: int | None) -> list[dict]:
+    """The records of ``limit`` whole users (``data.max_train_users``), in file order: the first users by first
+    appearance, or (given a seed) the users whose keyed hash of (seed, id) ranks lowest. Either rule looks at each
+    user's id or first position only, never at record counts, so removing a kept user from the data lets at most
+    one other whole user in (a record cut would let parts of many users in). Records without a user belong to no
+    kept user and are left out (the training split refuses or drops them before this anyway)."""
+    order: dict[str, int] = {}
+    for record in records:
+        user = record.get(USER)
+        if isinstance(user, str) and user:
+            order.setdefault(user, len(order))
+    if seed is not None:  # a keyed hash of the id alone: a user's rank does not depend on the file's order
+        def digest(user: str) -> bytes:
+            return hashlib.sha256(f"{seed}\x00{user}".encode("utf-8")).digest()
+        ranked = sorted(order, key=lambda user: (digest(user), user))
+    else:
+        ranked = sorted(order, key=order.__getitem__)
+    kept = set(ranked[:limit])
+    return [record for record in records if record.get(USER) in kept]
 
 
 def user_statistics(records: list[dict], bounds: tuple = BOUNDS) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from dptext.data import load_records
 from dptext.errors import UserError
 from dptext.finetune.seeds import privacy_seed, record_ids
 from dptext.finetune.task_probe import verify_with_task
-from dptext.privacy.edp import EDPEngine, alphas_from_gradients, sensitivity_factor
+from dptext.privacy.edp import SENSITIVITY_FACTOR, EDPEngine, alphas_from_gradients
 from dptext.tasks.base import batches
 
 PROBE_BATCH = 16
@@ -76,8 +76,7 @@ def build_edp(training: Any, dist: Any, probe_now: bool = True) -> None:
     if privacy.sampling != "poisson":
         raise UserError("eDP-SGD's micro-batch slots are Poisson-sampled; use privacy.sampling=poisson.")
     n = len(training.examples)
-    world = dist.world_size if dist is not None else 1
-    factor = sensitivity_factor(world * privacy.edp_micro_batches_per_device, n)
+    factor = SENSITIVITY_FACTOR  # public: never a function of n (dptext.privacy.edp)
     schedule = noise_schedule(privacy)
     sigma0 = accounting_sigma(recipe, plan, factor, schedule)
     alphas = None
@@ -92,8 +91,9 @@ def build_edp(training: Any, dist: Any, probe_now: bool = True) -> None:
         sample_rate=plan.sample_rate, dataset_size=n, micro_batches_per_device=privacy.edp_micro_batches_per_device,
         alphas=alphas, scaling=privacy.edp_scaling, schedule=schedule, steps_per_epoch=plan.steps_per_epoch,
         seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
-        ledger=training.ledger.record_step, distributed=dist, record_ids=record_ids(training.examples))
-    training.ledger.mechanism = training.engine.mechanism()
+        ledger=training.ledger.record_step, distributed=dist, record_ids=record_ids(training.examples),
+        verify=privacy.verify)
     if privacy.verify and probe_now:
         verify_with_task(training.engine, training.task, training.model)
+    training.ledger.mechanism = training.engine.mechanism()  # after the probe: it says whether clipping was proven
     training.sampler = training.engine.sampler(plan.steps)

@@ -28,11 +28,12 @@ from dptext.finetune import sharding
 from dptext.finetune.distributed import FollowerRun, current, release, silent_output
 from dptext.finetune.loop import check_same_account, restore, run_loop
 from dptext.finetune.setup import build_training
-from dptext.finetune.user_level import check_single_process, unit_summary, user_level, user_unit_text
+from dptext.finetune.user_level import (check_single_process, evaluation_users, training_counts, unit_summary,
+                                       user_level, user_unit_text)
 from dptext.finetune.validate import validate_run
 from dptext.output import Output
-from dptext.release import inherited_flags, recipe_flags
-from dptext.runs import FINAL_EVALUATION, MODEL_DIR, RunDir, atomic_directory
+from dptext.release import inherited_flags, recipe_flags, recipe_unit
+from dptext.runs import FINAL_EVALUATION, MODEL_DIR, RunDir, atomic_directory, write_manifest
 from dptext.tasks.eval_journal import EvaluationJournal, records_digest, weights_digest
 
 
@@ -149,6 +150,10 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
             run.remove_unstarted(keep_folder=existed)
         raise
     state = run.load_checkpoint() if resume is not None else None
+    if training.users is not None and dist.is_writer:  # release.json says what evaluation holds (a public rule)
+        write_manifest(run.path, unit={**recipe_unit(recipe), "evaluation_users": evaluation_users(recipe)})
+        if state is None:  # exact counts of users and records: not in covered files
+            run.log_diagnostics(training_counts(training.users))
     if state is not None:
         check_same_account(training, state)
     training.selection = model_selection.make_selection(recipe, training.task, dist.active)

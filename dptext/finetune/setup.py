@@ -161,8 +161,8 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
                         optimizer=optimizer, examples=task.encode(train), eval_records=validation,
                         final_records=final, plan=plan, noise_multiplier=None,
                         autocast_dtype=autocast_dtype(recipe.train.precision, device),
-                        info={**trainable_summary(model), "dataset_size": len(train)}, audit=audit, dist=dist,
-                        users=users)
+                        info={**trainable_summary(model), **({"dataset_size": len(train)} if users is None else {})},
+                        audit=audit, dist=dist, users=users)
     if privacy.method != "edp_sgd" and privacy.noise_decay != "none":
         raise UserError("privacy.noise_decay applies to privacy.method=edp_sgd; set it to none for dp_sgd.")
     if privacy.enabled:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+from dptext.data import held_out_users
 from dptext.errors import UserError
 
 COUNTS_HINT = "`dptext data NAME --path P --user-column COLUMN` shows how many examples each user has"
@@ -29,6 +30,9 @@ def check_user_level(recipe: Any) -> None:
     if not recipe.data.user_column:
         raise UserError("privacy.unit=user needs data.user_column, the field that names each record's user; set it "
                         "(e.g. data.user_column=reviewer) or use privacy.unit=example.")
+    if recipe.data.max_train_examples is not None:  # a record cut lets parts of many users in when one leaves
+        raise UserError("data.max_train_examples cuts records, which splits users (removing one user would let "
+                        "parts of many others in); under privacy.unit=user use data.max_train_users=N instead.")
     if k is None:
         raise UserError("privacy.unit=user needs privacy.max_examples_per_user (k, the most examples one user "
                         f"contributes to a step); set it ({COUNTS_HINT}).")
@@ -82,13 +86,29 @@ def micro_batches_by_user(indices: list[int], users: list[int], size: int) -> It
         yield rows, owners
 
 
+HELD_OUT = "validation and test hold other users than training (the data was split by user)"
+NOT_HELD_OUT = ("validation and test were read from your split files, not split by user: they may hold training "
+                "users' records, and selection on validation (early stopping, train.keep_best) saw them")
+
+
+def evaluation_users(recipe: Any) -> str:
+    """What a user-level run's evaluation splits hold (result.json and release.json say it): a public rule."""
+    return HELD_OUT if held_out_users(recipe.data) else NOT_HELD_OUT
+
+
 def unit_summary(recipe: Any, users: list[list[int]] | None) -> dict[str, Any]:
-    """What the run's ε is about, for result.json: the unit, k, how many users and examples."""
+    """What the run's ε is about, for result.json: the unit, k and what evaluation saw. The numbers of users and
+    of their records are not here: result.json is covered, and removing a user changes them by (1, its records);
+    ``training_counts`` puts them in the not-covered diagnostics."""
     if users is None:
         return {"unit": "example"}
     return {"unit": "user", "max_examples_per_user": recipe.privacy.max_examples_per_user,
-            "user_column": recipe.data.user_column, "users": len(users),
-            "examples": sum(len(own) for own in users)}
+            "user_column": recipe.data.user_column, "evaluation_users": evaluation_users(recipe)}
+
+
+def training_counts(users: list[list[int]]) -> dict[str, Any]:
+    """Users and training records of a user-level run, for diagnostics_not_private.jsonl (exact counts)."""
+    return {"event": "training_data", "users": len(users), "records": sum(len(own) for own in users)}
 
 
 def user_unit_text(k: int) -> str:

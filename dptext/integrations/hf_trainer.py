@@ -23,7 +23,6 @@ What it refuses, each in one sentence: ``trainer_checks``.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -36,12 +35,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from dptext.accounting import calibrate_noise_multiplier, compute_epsilon, StepRun
 from dptext.accounting.calibrate import check_training_accountant
+from dptext.accounting.pld import MIN_SIGMA
 from dptext.errors import UserError
 from dptext.finetune.distributed import current as current_process_group
 from dptext.integrations.poisson_batches import LogicalBatch, PoissonBatches, model_input_collator
 from dptext.integrations.trainer_checks import (refuse_gradient_reducing_wrapper, refuse_unsupported_arguments,
                                                 refuse_unsupported_launch, without_trainer_clipping)
 from dptext.integrations.trainer_losses import BatchMaker, LossFn, base_model, loss_and_probe_batch
+from dptext.integrations.trainer_release import ReleaseListing, write_privacy_report
 from dptext.privacy import PrivacyEngine
 
 logger = logging.getLogger(__name__)
@@ -116,10 +117,11 @@ class PrivacyCallback(TrainerCallback):
         if args.should_save and self.trainer.engine is not None:
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             self.trainer.save_privacy_report(folder)
+            self.trainer.refresh_release()  # the checkpoint's trainer_state.json (flos, runtime) is listed too
         return control
 
 
-class DPTrainer(Trainer):
+class DPTrainer(ReleaseListing, Trainer):
     """A ``transformers.Trainer`` that trains with DP-SGD (DP-Adam, ...): see the module docstring.
 
     ``per_example_loss(model, batch) -> Tensor (B,)`` is needed for heads other than causal LM and single-label
@@ -139,6 +141,9 @@ class DPTrainer(Trainer):
         check_training_accountant(privacy.accountant)
         if privacy.target_epsilon is None and privacy.noise_multiplier is None:
             raise UserError("Give PrivacyArguments a target_epsilon (σ is calibrated to it) or a noise_multiplier.")
+        if privacy.noise_multiplier is not None and 0 < privacy.noise_multiplier < MIN_SIGMA:  # as the recipe bound
+            raise UserError(f"noise_multiplier={privacy.noise_multiplier:g} is below {MIN_SIGMA}, where ε is in the "
+                            "thousands or beyond (no meaningful privacy); raise it (or use 0 only to test clipping).")
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise UserError("DPTrainer needs a train_dataset with a length (Poisson sampling draws from all n "
                             "examples); materialise an iterable dataset first.")
@@ -175,6 +180,7 @@ class DPTrainer(Trainer):
         output = super().train(None, *args, **kwargs)
         if self.args.should_save:
             self.save_privacy_report(self.args.output_dir)
+            self.refresh_release()
         return output
 
     def set_initial_training_values(self, args, dataloader):
@@ -279,8 +285,4 @@ class DPTrainer(Trainer):
                 "privacy_arguments": {k: v for k, v in asdict(self.privacy).items() if k != "seed"}}
 
     def save_privacy_report(self, folder: str) -> None:
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, "privacy.json")
-        with open(path + ".tmp", "w", encoding="utf-8") as handle:
-            json.dump(self.privacy_report(), handle, indent=2, default=str)
-        os.replace(path + ".tmp", path)
+        write_privacy_report(folder, self.privacy_report())

@@ -13,16 +13,16 @@ stable record id (``record_ids``, e.g. a digest of its tokens) under a secret ke
 example gets a fresh independent slot each step from the "edp_slots" stream. Each step Poisson-samples every
 example with rate q; slot m's micro-batch is its sampled examples. Adding or removing one example therefore
 changes only its own slot's micro-batch, whose clipped gradient moves by at most 2C (both versions have norm
-≤ C). A slot taken from the position ("i mod M", the paper's rule and ours until issue 21) does not have this
-property: removing one record shifts every later record to another slot, and the clipped sum moves by up to
-(√2−1)·C·√M. Only when M > n (every slot holds at most one example even after adding one) is the assignment
-irrelevant — each micro-batch is one example and eDP-SGD is DP-SGD with sensitivity C; then slot = index.
+≤ C). A slot taken from the position ("i mod M", the paper's rule until issue 21) breaks this: removing one
+record shifts every later record to another slot and the sum moves by up to (√2−1)·C·√M. The mechanism depends
+on public settings only (M, the recipe), never on n (issue 43): sensitivity 2C and the keyed hash (or per-step
+draw) whatever n is; M > n used to switch to sensitivity C with slot = index, so datasets of n = M−1 and n = M ran
+different mechanisms, 4.13·C apart where the ledger assumed C. For sensitivity C, use dp_sgd.
 
 Accounting: the sampled Gaussian mechanism with rate q and noise multiplier σ_t = z_t / 2 (noise std C·z_t over
-sensitivity 2C), or σ_t = z_t when every slot holds at most one example (M > n: ordinary DP-SGD). The noise
-decays by epoch: z_t = z_0·d(t), t = ⌊step / steps_per_epoch⌋ with steps_per_epoch = round(1/q), d = 1,
-1/(1+τt) or e^{−τt} (``dptext.accounting.schedule``, the same code the accountant composes). The ledger records
-each step's σ_t, so its ε is that of ``dptext account --sigma σ_0 --schedule ...``.
+sensitivity 2C). The noise decays by epoch: z_t = z_0·d(t), t = ⌊step / steps_per_epoch⌋, steps_per_epoch =
+round(1/q), d = 1, 1/(1+τt) or e^{−τt} (``dptext.accounting.schedule``, the same code the accountant composes).
+The ledger records each step's σ_t, so its ε is that of ``dptext account --sigma σ_0 --schedule ...``.
 
 Scaling α (one per parameter tensor): uniform (α = 1), measured on a public batch (no privacy cost), or
 measured on the first private examples ("first_step", as the paper does) — a data-dependent choice the (ε, δ)
@@ -57,10 +57,9 @@ def hashed_slots(record_ids: Sequence[bytes], slots: int, key: bytes) -> list[in
     return [keyed_hash(key, bytes(record_id)) % slots for record_id in record_ids]
 
 
-def sensitivity_factor(slots: int, dataset_size: int) -> int:
-    """2 (sensitivity 2C) unless every slot holds at most one example under add/remove (M > n), when eDP-SGD
-    is ordinary DP-SGD. M = n is not enough: adding a record puts two examples in one slot."""
-    return 1 if slots > dataset_size else 2
+# Adding or removing one example moves its slot's clipped gradient by up to 2C, whatever M and n are (see the
+# module docstring: a factor chosen from n would make the mechanism itself depend on the data)
+SENSITIVITY_FACTOR = 2
 
 
 def alphas_from_gradients(grads: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, float]:
@@ -79,7 +78,9 @@ class EDPEngine:
     Per step: for each unit in ``clipping_units(indices)``, ``accumulate`` the per-example losses of its
     physical chunks (plain backward passes), then ``close_unit()`` clips it; ``step()`` adds the noise once.
     ``noise_multiplier`` is z_0 (noise std in units of C in the scaled space); the accountant's multiplier is
-    ``accounting_noise_multiplier`` = z_0 / 2 (or z_0 when each slot holds one example).
+    ``accounting_noise_multiplier`` = z_0 / 2. ``verify`` (default True): the start-up probe runs before the
+    model's first training forward, as PrivacyEngine's does (``probe_batch``/``probe_loss``: its inputs);
+    ``verify=False`` opts out, and ``mechanism()`` says the clipping was not verified.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
@@ -87,7 +88,8 @@ class EDPEngine:
                  alphas: dict[nn.Parameter, float] | None = None, scaling: str = "uniform",
                  schedule: NoiseSchedule = CONSTANT, steps_per_epoch: int = 1, seed: int | RandomRoot | None = None,
                  secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None,
-                 record_ids: Sequence[bytes] | None = None):
+                 record_ids: Sequence[bytes] | None = None, verify: bool = True,
+                 probe_batch: Callable[..., Any] | None = None, probe_loss: Callable[..., Any] | None = None):
         """``record_ids``: one stable id per example (bytes; e.g. a digest of its content), for the keyed-hash
         slot rule; needed under torchrun unless every slot holds one example. ``seed``: see PrivacyEngine."""
         if noise_multiplier < 0 or max_grad_norm <= 0:
@@ -108,11 +110,10 @@ class EDPEngine:
         self.sample_rate, self.dataset_size = float(sample_rate), dataset_size
         self.max_grad_norm = float(max_grad_norm)
         self.noise_multiplier = float(noise_multiplier)  # z_0
-        self.factor = sensitivity_factor(self.slots, dataset_size)
+        self.factor = SENSITIVITY_FACTOR
         self.accounting_noise_multiplier = self.noise_multiplier / self.factor  # σ_0
         self.schedule, self.steps_per_epoch = schedule, steps_per_epoch
-        self.scaling = scaling
-        self.alphas = alphas
+        self.scaling, self.alphas = scaling, alphas
         if alphas is not None and set(alphas) != set(self.params):
             raise UserError("eDP-SGD needs one scaling α per trainable parameter tensor.")
         self.secure_rng = secure_rng
@@ -121,11 +122,13 @@ class EDPEngine:
         self.root = seed if isinstance(seed, RandomRoot) else RandomRoot(seed)
         rank = self.distributed.rank if self.distributed else 0
         self._set_slot_rule(record_ids, rank)
-        self._sampler = None
         self._record_step = getattr(ledger, "record_step", ledger)
-        self.steps = 0
-        self._unit_examples = 0
+        self._sampler, self.steps, self._unit_examples = None, 0, 0
         self.verified = False  # set by verify(): the synthetic probe matched brute force
+        # verify_first False: the user opted out of the proof, and mechanism() says so
+        self.verify_first, self._verifying, self._probe_args = bool(verify), False, (probe_batch, probe_loss)
+        # the proof by default, as PrivacyEngine: before the first training forward, on synthetic inputs
+        self._prove_hook = model.register_forward_pre_hook(self._prove_before_first_forward, prepend=True)
         self.dp_optimizer = DPOptimizer(
             optimizer, self.params, self.noise_multiplier, self.max_grad_norm, self.slots,
             NoiseSource(self.root, secure_rng, rank),
@@ -133,11 +136,10 @@ class EDPEngine:
             adds_noise=self.distributed is None or self.distributed.rank == 0, scale=alphas)
 
     def _set_slot_rule(self, record_ids: Sequence[bytes] | None, rank: int) -> None:
-        """Slot = index (one example per slot), a keyed hash of the record id, or a fresh draw per step."""
-        self.slot_rule, self.slot_table, self._slot_key = "index", None, None
+        """Slot = a keyed hash of the record id, or (no ids, one process) a fresh draw per step: a choice made by
+        what the caller passes, never by n."""
+        self.slot_rule, self.slot_table, self._slot_key = "draw_per_step", None, None
         self.slot_generator = self.root.generator("edp_slots", rank)
-        if self.factor == 1:
-            return
         if record_ids is not None:
             if len(record_ids) != self.dataset_size:
                 raise UserError(f"eDP-SGD needs one record id per example ({self.dataset_size}), "
@@ -149,13 +151,9 @@ class EDPEngine:
         elif self.distributed:
             raise UserError("Distributed eDP-SGD assigns examples to ranks by a keyed hash of their record id; "
                             "pass record_ids (one stable id per example).")
-        else:
-            self.slot_rule = "draw_per_step"
 
     def slots_of(self, indices: list[int]) -> list[int]:
         """The slot of each sampled example this step (see the module docstring for the rule)."""
-        if self.slot_rule == "index":
-            return [index % self.slots for index in indices]
         if self.slot_rule == "keyed_hash":
             return [self.slot_table[index] for index in indices]
         return torch.randint(self.slots, (len(indices),), generator=self.slot_generator).tolist()
@@ -171,9 +169,24 @@ class EDPEngine:
 
     def verify(self, make_batch=None, loss_fn=None, **options) -> None:
         """The start-up probe (``dptext.privacy.proof.edp_probe``): per-slot clipping against brute-force autograd on
-        synthetic inputs (``make_batch(B, T, generator)``, ``loss_fn(model, batch)`` as for PrivacyEngine)."""
-        probe_edp(self, make_batch, loss_fn, **options)
+        synthetic inputs (``make_batch(B, T, generator)``, ``loss_fn(model, batch)`` as for PrivacyEngine; without
+        them those given to the constructor, else random token ids and a fixed functional of the output)."""
+        make_batch, loss_fn = make_batch or self._probe_args[0], loss_fn or self._probe_args[1]
+        self._verifying = True
+        try:
+            probe_edp(self, make_batch, loss_fn, **options)
+        finally:
+            self._verifying = False
+        self._probe_args = (make_batch, loss_fn)
         self.verified = True
+
+    def _prove_before_first_forward(self, module: nn.Module, args: tuple) -> None:
+        """The model's first training forward (grad enabled, training mode) runs the probe first, unless the
+        engine was verified or built with ``verify=False``; the probe's own forwards pass through."""
+        if self.verified or not self.verify_first or self._verifying or not module.training \
+                or not torch.is_grad_enabled():
+            return
+        self.verify()
 
     # ------------------------------------------------------------------ the training step
     def clipping_units(self, indices: list[int]) -> list[list[int]]:
@@ -249,8 +262,7 @@ class EDPEngine:
                      f"(accounted σ_t = z_t/{self.factor})")
         if leaks:
             guarantee += "; α measured on private data is NOT covered"
-        unit = {"index": "one example per slot (M > n)",
-                "keyed_hash": "micro-batch (slot = keyed hash of the record id)",
+        unit = {"keyed_hash": "micro-batch (slot = keyed hash of the record id)",
                 "draw_per_step": "micro-batch (slot drawn independently per example and step)"}[self.slot_rule]
         return {"method": "edp_sgd", "unit": unit, "slot_rule": self.slot_rule, "sampling": "poisson",
                 "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
@@ -261,7 +273,11 @@ class EDPEngine:
                 "noise_schedule": self.schedule.describe(), "steps_per_epoch": self.steps_per_epoch,
                 "scaling": self.scaling, "scaling_leaks": leaks,
                 "noise": "N(0, (C·z_t)²) in the scaled space once per step" + (
-                    " on rank 0" if self.world_size > 1 else "") + ", then ×α_l"}
+                    " on rank 0" if self.world_size > 1 else "") + ", then ×α_l",
+                "clipping_verified": self.verified,
+                "clipping": "exact: the start-up probe compared the slot sums with brute-force autograd" if
+                self.verified else "NOT VERIFIED: the start-up probe has not run" + (
+                    " (verify=False); exactness rests on plain autograd alone" if not self.verify_first else "")}
 
     def state_dict(self) -> dict[str, Any]:
         """Steps, the noise generators and the slot stream; the slot key too (the checkpoint is as secret as the
@@ -280,4 +296,5 @@ class EDPEngine:
                 self._sampler.shard = torch.tensor(self.shard(), dtype=torch.long)
 
     def detach(self) -> None:
-        """Nothing to remove: eDP-SGD uses plain autograd, no hooks."""
+        """Remove the proof's forward pre-hook (eDP-SGD uses plain autograd, no other hooks)."""
+        self._prove_hook.remove()
