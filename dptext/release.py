@@ -79,6 +79,9 @@ RUN_ENTRIES = (
     Entry("ledger.json", COVERED, "q, σ per step, δ and ε per accountant",
           "functions of the settings and of n; n (the training-set size) is treated as public, as in DP-SGD "
           "accounting", dp_result=True),
+    Entry("mf_strategy.json", PUBLIC, "privacy.mechanism=banded_mf: the strategy's coefficients, bands, steps and "
+          "participation schema", "optimised from the recipe, the step count and n alone (n treated as public, "
+          "as in ledger.json); no record is read"),
     Entry("metrics.jsonl", COVERED, "per logged step: step, epoch, ε spent; evaluation metrics",
           "ε depends on the settings only; evaluation scores are post-processing of the DP model on the "
           "evaluation split (which is not a training set: ε says nothing about its records)", dp_result=True),

@@ -14,5 +14,5 @@ from dptext.privacy.noise.optimizer import DPOptimizer
 from dptext.privacy.sampling.sampler import PoissonSampler, ShuffleSampler
 from dptext.privacy.sampling.user_sampler import UserBatch, UserPoissonSampler
 
-__all__ = ["BandedMFEngine", "DPOptimizer", "EDPEngine", "PoissonSampler", "PrivacyEngine", "ShuffleSampler", "UserBatch",
-           "UserPoissonSampler", "causal_lm_loss", "per_example_loss"]
+__all__ = ["BandedMFEngine", "DPOptimizer", "EDPEngine", "PoissonSampler", "PrivacyEngine", "ShuffleSampler",
+           "UserBatch", "UserPoissonSampler", "causal_lm_loss", "per_example_loss"]
