@@ -11,6 +11,7 @@ import torch
 from dptext import config
 from dptext.accounting import PrivacyLedger
 from dptext.accounting.banded_mf import Participation, toeplitz_sensitivity
+from dptext.cli.app import main
 from dptext.errors import UserError
 from dptext.finetune import run_finetune
 
@@ -27,7 +28,7 @@ def banded_recipe(shared_data, *extra: str):
     return config.load_recipe(None, [o.format(data=shared_data) for o in BANDED] + list(extra))
 
 
-def test_banded_mf_trains_and_accounts_the_gaussian_mechanism(shared_data, tmp_path):
+def test_banded_mf_trains_and_accounts_the_gaussian_mechanism(shared_data, tmp_path, capsys):
     result = run_finetune(banded_recipe(shared_data), out=tmp_path / "run")
     run = tmp_path / "run"
     strategy = json.loads((run / "mf_strategy.json").read_text())
@@ -44,6 +45,12 @@ def test_banded_mf_trains_and_accounts_the_gaussian_mechanism(shared_data, tmp_p
     ledger = PrivacyLedger.from_dict(saved)  # what `dptext account RUN_DIR` reads
     assert ledger.epsilon("rdp").epsilon == pytest.approx(8.0, rel=1e-3)  # calibrated for the one mechanism
     assert result["privacy"]["epsilon"]["rdp"]["epsilon"] == pytest.approx(8.0, rel=1e-3)
+    with pytest.raises(SystemExit) as code:  # `dptext account RUN_DIR`: the same ε, and no "not covered" warning
+        main(["account", str(run), "--json"])
+    assert code.value.code == 0
+    reported = capsys.readouterr()
+    rows = {row["method"]: row for row in json.loads(reported.out)["results"]}
+    assert rows["rdp"]["epsilon"] == pytest.approx(8.0, rel=1e-3) and "NOT a guarantee" not in reported.err
     # the same steps under DP-SGD's (Poisson) accounting would be another number: the mechanism decides
     assert abs(PrivacyLedger.from_dict({**saved, "mechanism": None}).epsilon("rdp").epsilon - 8.0) > 1.0
 

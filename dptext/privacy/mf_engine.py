@@ -114,6 +114,6 @@ class BandedMFEngine(PrivacyEngine):
                 "bands": len(self.coefficients), "planned_steps": self.planned_steps,
                 "separation": self.schema.separation, "max_participations": self.schema.max_participations,
                 "noise": "(C⁻¹Z)_t, Z i.i.d. N(0, σ²C²), once per coordinate per step; b − 1 buffers",
-                "sampling": "cyclic balls-in-bins (min separation P, at most ⌈S/P⌉ participations)",
+                "sampling": "cyclic", "participation": "balls-in-bins: min separation P, ≤ ⌈S/P⌉ steps each",
                 "processes": 1, "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
                 "clipping_verified": self.verified}
