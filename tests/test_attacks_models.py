@@ -52,7 +52,7 @@ def test_lira_offline_is_a_z_score_against_the_out_gaussian():
 def recipe(**audit):
     values = dict(holdout_fraction=0.0, holdout_examples=None, public_examples=0, seed=0, train_indices=[],
                   canaries=0, canary_repetitions=[1, 10], canary_prefix="p", canary_words=2, canary_vocabulary=10,
-                  canary_unit="example")
+                  canary_unit="example", one_run_canaries=0)
     return SimpleNamespace(audit=SimpleNamespace(**{**values, **audit}),
                            task=SimpleNamespace(type="table_to_text", control_codes=[]))
 
@@ -79,12 +79,24 @@ def test_split_partitions_the_training_split_and_is_seeded():
 
 @pytest.mark.parametrize("audit", [dict(holdout_fraction=0.2, public_examples=30, canaries=1),
                                    dict(holdout_examples=7, canaries=3, canary_repetitions=[2, 5]),
-                                   dict(train_indices=[3, 1, 4, 4]), dict(holdout_fraction=0.25)])
+                                   dict(train_indices=[3, 1, 4, 4]), dict(holdout_fraction=0.25),
+                                   dict(holdout_examples=7, canaries=3, one_run_canaries=20)])
 def test_trained_size_counts_what_the_split_trains_on(audit):
     train = [{"mr": f"m{i}", "ref": f"r{i}"} for i in range(100)]
     spec = recipe(**audit)
     records = audit_split.split_for_audit(spec, train).training_records("table_to_text", [])
     assert audit_split.trained_size(spec.audit, len(train)) == len(records)
+
+
+def test_one_run_canaries_are_distinct_from_the_exposure_canaries_and_trained_once_if_included():
+    spec = recipe(canaries=5, canary_repetitions=[1, 2], one_run_canaries=30)
+    split = audit_split.split_for_audit(spec, [{"mr": f"m{i}", "ref": f"r{i}"} for i in range(20)])
+    one_run = split.one_run["canaries"]
+    secrets = [c["secret"] for c in one_run]
+    assert len(set(secrets)) == 30 and not set(secrets) & {c["secret"] for c in split.canaries["canaries"]}
+    refs = [r["ref"] for r in split.training_records("table_to_text", [])]
+    assert all(refs.count(c["secret"]) == int(c["included"]) for c in one_run)
+    assert 0 < sum(c["included"] for c in one_run) < 30
 
 
 def test_split_refuses_impossible_requests():

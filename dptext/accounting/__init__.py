@@ -12,6 +12,9 @@ rate q and noise multiplier σ per step; a run is a sequence of ``StepRun``s.
 * ``ledger``     ``PrivacyLedger``: what a training run appends to and saves.
 * ``plan``       recipe / command-line options → (q, steps, δ); σ per shipped recipe.
 * ``curve``      ε against steps, per method.
+* ``banded_mf``  correlated noise (SPEC §12): strategy matrices, sensitivity under (k, b)-participation, ε
+                 of the one Gaussian mechanism a matrix-factorization run is.
+* ``mf_strategy`` banded Toeplitz coefficients minimising the prefix-sum error, optimised in seconds.
 """
 
 from dptext.accounting.calibrate import Calibration, calibrate_noise_multiplier

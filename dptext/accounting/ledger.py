@@ -84,10 +84,20 @@ class PrivacyLedger:
         return total_steps(self._runs)
 
     # ------------------------------------------------------------------ ε
+    def accounted_runs(self) -> list[StepRun]:
+        """What ε is computed from: the recorded DP-SGD steps or, for a banded matrix-factorization run (SPEC §12),
+        the one Gaussian mechanism of multiplier σ/sens(C) it is, charged in full from its first step."""
+        mechanism = self.mechanism or {}
+        if mechanism.get("method") != "banded_mf":
+            return list(self._runs)
+        sigma = float(mechanism["noise_multiplier"]) / float(mechanism["strategy_sensitivity"])
+        return [StepRun(1.0, sigma, 1)] if self._runs else []
+
     def epsilon(self, method: str | None = None, conversion: str = "improved",
                 prv_eps_error: float | None = None) -> EpsilonResult:
         """ε spent so far by ``method`` (default: the run's accountant)."""
-        return compute_epsilon(method or self.accountant, self._runs, self.delta, conversion, prv_eps_error)
+        return compute_epsilon(method or self.accountant, self.accounted_runs(), self.delta, conversion,
+                               prv_eps_error)
 
     def epsilon_spent(self) -> float | None:
         """The guaranteed ε spent so far by the run's accountant (RDP bound / PRV upper; GDP's approximation).
@@ -100,7 +110,7 @@ class PrivacyLedger:
 
     def report(self, methods: Sequence[str] | None = None) -> list[EpsilonResult]:
         """ε spent so far by each method (default: all three)."""
-        return compute_all(self._runs, self.delta, methods)
+        return compute_all(self.accounted_runs(), self.delta, methods)
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self, with_epsilon: bool = True) -> dict[str, Any]:

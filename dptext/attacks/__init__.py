@@ -9,4 +9,5 @@ attack_models loss-threshold, shadow-model (logistic regression) and offline LiR
 references    shadow / reference models trained with the target's recipe on its public pool, through the
               training entry point the caller passes in (``dptext mia`` passes ``run_finetune``)
 audit         ``run_mia``: audits of run directories; canary_audit: ``canary_exposure``
+one_run       the one-run audit's ε lower bound (Steinke et al. 2023); one_run_audit: ``one_run_audits``
 """

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dptext.data.audit_split import AUDIT_DIR, CANARIES, FILES, NOT_PRIVATE_README, README
+from dptext.data.audit_split import AUDIT_DIR, CANARIES, FILES, NOT_PRIVATE_README, ONE_RUN, README
 from dptext.errors import UserError
 from dptext.runs import atomic_write_text, read_lines
 
@@ -36,9 +36,19 @@ def read_records(run_path: str | Path, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in read_lines(path)]
 
 
-def read_canaries(run_path: str | Path) -> dict[str, Any]:
-    path = Path(run_path) / AUDIT_DIR / CANARIES
+def _audit_json(run_path: str | Path, filename: str, missing: str) -> dict[str, Any]:
+    path = Path(run_path) / AUDIT_DIR / filename
     if not path.is_file():
-        raise UserError(f"'{run_path}' has no canaries; fine-tune with audit.canaries=K (a language-model task) "
-                        "to measure exposure.")
+        raise UserError(f"'{run_path}' has no {missing}.")
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_canaries(run_path: str | Path) -> dict[str, Any]:
+    return _audit_json(run_path, CANARIES, "canaries; fine-tune with audit.canaries=K (a language-model task) to "
+                       "measure exposure")
+
+
+def read_one_run(run_path: str | Path) -> dict[str, Any]:
+    """The one-run audit's canaries and their inclusion bits (``dptext.data.canaries.make_one_run_canaries``)."""
+    return _audit_json(run_path, ONE_RUN, "one-run canaries; fine-tune it with audit.one_run_canaries=M (a "
+                       "language-model task) to audit it in one run")

@@ -148,7 +148,8 @@ def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> No
     out.info(f"{run_dir}: {ledger.steps} steps in {len(ledger.runs)} run(s) of identical (q, σ), "
              f"δ={ledger.delta:g} ({ledger.delta_source}), accountant {ledger.accountant}")
     mechanism = ledger.mechanism or {}
-    if mechanism.get("sampling", "poisson") != "poisson":
+    accounted = "cyclic" if mechanism.get("method") == "banded_mf" else "poisson"  # what each accountant covers
+    if mechanism.get("sampling", accounted) != accounted:
         out.warn(f"This run sampled by {mechanism['sampling']}, which the Poisson accountant does not cover: "
                  "the ε below is NOT a guarantee for it.")
     if mechanism.get("noise_secret") is False:
@@ -163,7 +164,7 @@ def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> No
         out.info(f"ε ≤ {headline.guaranteed:.4g} {unit} ({LABELS[headline.method]}, δ={ledger.delta:g})")
     _report_carried(out, run_dir)
     if plot:
-        _plot(out, ledger.runs, ledger.delta, methods, prv_eps_error, plot, str(run_dir))
+        _plot(out, ledger.accounted_runs(), ledger.delta, methods, prv_eps_error, plot, str(run_dir))
     _report_release(out, run_dir, {"query": "ledger", "run_dir": str(run_dir), **ledger.to_dict(with_epsilon=False),
                                    "results": [r.to_dict() for r in results]})
 

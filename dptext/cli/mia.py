@@ -15,6 +15,7 @@ Examples:
   dptext mia runs/audit-nonprivate runs/audit-eps8                 (loss attack, side by side)
   dptext mia runs/audit-eps8 --attack all --references 4           (trains 4 reference models once)
   dptext mia canary runs/audit-eps8                                 (canary exposure)
+  dptext mia runs/audit-eps8 --attack one-run                       (Steinke et al.: ε lower bound, one run)
   dptext mia canary --compare-units recipe.yaml data.user_column=author --out runs/units
       (trains the recipe at privacy.unit=example and =user, each canary one user, and compares exposure)
 """
@@ -25,7 +26,8 @@ def mia(
         help="Run directories to audit (fine-tuned with an audit section), or `canary RUN_DIR...`.",
         show_default=False)],
     attack: Annotated[List[str], typer.Option(
-        "--attack", help="loss, shadow, lira or all (repeatable).")] = ["loss"],  # noqa: B006 - typer default
+        "--attack", help="loss, shadow, lira or all (repeatable); or one-run alone (a run trained with "
+        "audit.one_run_canaries).")] = ["loss"],  # noqa: B006 - typer default
     references: Annotated[int, typer.Option(
         "--references", help="Shadow / reference models for shadow and lira (trained once, reused).")] = 2,
     max_examples: Annotated[Optional[int], typer.Option(
@@ -41,6 +43,10 @@ def mia(
         "(audit.canary_unit=user), into --out/example and --out/user, and compare exposure.")] = None,
     out: Annotated[Optional[Path], typer.Option(
         "--out", help="canary --compare-units: folder of the two runs (default: runs/<recipe>-units).")] = None,
+    k_plus: Annotated[Optional[int], typer.Option(
+        "--k-plus", help="one-run: canaries guessed 'in' (lowest loss); default m/4.")] = None,
+    k_minus: Annotated[Optional[int], typer.Option(
+        "--k-minus", help="one-run: canaries guessed 'out' (highest loss); default m/4.")] = None,
     json_mode: JsonOption = False,
 ) -> None:
     """Audit what an attacker learns: membership-inference AUC and TPR at low FPR, or canary exposure."""
@@ -53,6 +59,8 @@ def mia(
         from dptext.errors import UserError
 
         raise UserError("--compare-units measures canaries; run it as `dptext mia canary --compare-units RECIPE`.")
+    if "one-run" in attack:
+        return _one_run(output, run_dirs, attack, k_plus, k_minus, batch_size)
     from dptext.attacks.audit import ATTACKS, run_mia
     from dptext.attacks.audit_records import mia_folder
     from dptext.attacks.plot import plot_roc, run_label
@@ -78,6 +86,20 @@ def mia(
     if any(not r["privacy"]["private"] for r in reports):
         output.info("Non-private runs have no proven ε; their lower bound uses δ = 1/(2n).")
     output.result({"runs": reports, "plot": str(target)})
+
+
+def _one_run(output, run_dirs: list[str], attack: list[str], k_plus, k_minus, batch_size: int) -> None:
+    from dptext.attacks.one_run_audit import one_run_audits
+    from dptext.errors import UserError
+
+    if set(attack) != {"one-run"}:
+        raise UserError("--attack one-run audits other canaries than the loss/shadow/lira attacks; run it alone.")
+    reports = one_run_audits(run_dirs, k_plus=k_plus, k_minus=k_minus, batch_size=batch_size, output=output)
+    rows = [[r["recipe"], r["canaries"], r["guesses"], r["correct"], r["epsilon_lower_bound"], r["privacy"]["epsilon"],
+             r["delta"]] for r in reports]
+    output.table("One-run audit (Steinke, Nasr & Jagielski 2023)", ["run", "canaries m", "guesses r", "correct v",
+                 "ε lower bound (95%)", "ε proven", "δ"], rows)
+    output.result({"runs": reports})
 
 
 def _canary_reports(output, run_dirs: list[str], candidates: int, batch_size: int) -> list[dict]:

@@ -27,6 +27,10 @@ class AuditConfig:
         0, "Canaries per repetition count inserted into the training data (language-model tasks).", ge=0)
     canary_repetitions: list = doc([1, 10], "How many times each canary is repeated, one group of `canaries` "
                                    "canaries per entry.")
+    one_run_canaries: int = doc(
+        0, "m canaries for the one-run audit (`dptext mia --attack one-run`, Steinke et al. 2023): each is included "
+        "in training once, independently with probability 1/2 by a public coin seeded with audit.seed, before "
+        "training (language-model tasks).", ge=0)
     canary_prefix: str = doc("the secret code is", "Fixed prefix of every canary; the secret follows it.")
     canary_words: int = doc(4, "Random words in each canary's secret.", ge=1)
     canary_vocabulary: int = doc(100, "Size of the word list secrets are drawn from: |R| = vocabulary ** words.", ge=2)

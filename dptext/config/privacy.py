@@ -30,9 +30,18 @@ class PrivacyConfig:
     accountant: Literal["rdp", "prv", "pld", "gdp"] = doc(
         "rdp", "Accountant that calibrates σ and reports the run: rdp, prv (its upper bound) or pld; all four are "
         "reported, but gdp (a CLT approximation, not a bound) is refused for training.")
-    sampling: Literal["poisson", "shuffle"] = doc(
-        "poisson", "Batch sampling. Only poisson matches the accounting, so a private run refuses shuffle; a "
-        "non-private baseline (enabled=false) may shuffle.")
+    sampling: Literal["poisson", "shuffle", "cyclic"] = doc(
+        "poisson", "Batch sampling. poisson matches DP-SGD's accounting, cyclic (balls-in-bins, each example in "
+        "one of round(n/B) bins, step t trains bin t mod P) matches mechanism=banded_mf's, and a private run "
+        "refuses any other pair; a non-private baseline (enabled=false) may shuffle.")
+    mechanism: Literal["dp_sgd", "banded_mf"] = doc(
+        "dp_sgd", "The noise: fresh Gaussian noise each step (dp_sgd), or banded matrix-factorization noise "
+        "(banded_mf, SPEC §12: step t gets (C⁻¹Z)_t for a b-banded Toeplitz strategy C optimised at start-up, "
+        "mf_strategy.json; needs sampling=cyclic; ε is that of one Gaussian mechanism, no amplification).")
+    mf_bands: int = doc(
+        8, "mechanism=banded_mf: the bands b of the strategy (b − 1 model-sized noise buffers); at most the "
+        "steps per epoch round(n/B), the separation the sensitivity is proven for.", ge=1,
+        only_with=("privacy.mechanism", "banded_mf"))
     clipping_mode: Literal["bookkeeping", "ghost", "per_sample"] = doc(
         "bookkeeping", "How clipped sums are computed (does not change privacy): one backward pass (bookkeeping), "
         "two (ghost), or instantiated per-example gradients (per_sample, the reference).")

@@ -12,6 +12,7 @@ The run directory then holds, written atomically::
     audit_not_private/nonmembers.jsonl the held-out records, same format
     audit_not_private/public.jsonl     the public pool, same format
     audit_not_private/canaries.json    prefix, vocabulary, secrets, repetition counts and canary unit
+    audit_not_private/one_run.json     the one-run audit's canaries and which of them were trained on
     audit_not_private/split.json       sizes, seed and the n trained on
 
 These files contain the training records themselves (every column, also those the task ignores, but not the
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dptext.data.canaries import canary_record, canary_user, make_canaries
+from dptext.data.canaries import canary_record, canary_user, make_canaries, make_one_run_canaries
 from dptext.data.users import USER
 from dptext.errors import UserError
 from dptext.runs import atomic_directory
@@ -48,6 +49,7 @@ AUDIT_README = NOT_PRIVATE_README.format(title="Audit split", body=(
     "every column of each record, also those the task ignores) and the canaries' secrets, for `dptext mia`."))
 FILES = {"members": "members.jsonl", "nonmembers": "nonmembers.jsonl", "public": "public.jsonl"}
 CANARIES = "canaries.json"
+ONE_RUN = "one_run.json"
 SPLIT = "split.json"
 
 
@@ -57,6 +59,7 @@ class AuditSplit:
     nonmembers: list = field(default_factory=list)
     public: list = field(default_factory=list)
     canaries: dict | None = None
+    one_run: dict | None = None  # the one-run audit's canaries with their inclusion bits
     seed: int = 0
 
     def training_records(self, task_type: str, control_codes: list) -> list[dict[str, Any]]:
@@ -74,12 +77,18 @@ class AuditSplit:
                     raise UserError("A user of the training data has the id of a synthetic canary user; change "
                                     "audit.seed so the canaries get other ids.")
             records += copies
+        one_run = (self.one_run or {}).get("canaries", [])
+        for number, canary in enumerate(c for c in one_run if c["included"]):  # once each: k = 1 per canary
+            record = canary_record(task_type, self.one_run["prefix"], canary["secret"], control_codes)
+            if real_users:
+                record[USER] = canary_user(self.seed, f"one-run-{number}", "example", 0)
+            records.append(record)
         return records
 
 
 def audit_requested(audit: Any) -> bool:
     return bool(audit.holdout_fraction or audit.holdout_examples or audit.public_examples or audit.canaries
-                or audit.train_indices)
+                or audit.train_indices or audit.one_run_canaries)
 
 
 def trained_size(audit: Any, split_size: int) -> int:
@@ -89,7 +98,9 @@ def trained_size(audit: Any, split_size: int) -> int:
         return len(set(audit.train_indices))
     held = audit.holdout_examples if audit.holdout_examples is not None else int(round(audit.holdout_fraction
                                                                                       * split_size))
-    return split_size - held - audit.public_examples + audit.canaries * sum(int(r) for r in audit.canary_repetitions)
+    one_run = sum(c["included"] for c in make_one_run_canaries(audit)["canaries"]) if audit.one_run_canaries else 0
+    return (split_size - held - audit.public_examples + one_run
+            + audit.canaries * sum(int(r) for r in audit.canary_repetitions))
 
 
 def split_for_audit(recipe: Any, train: list[dict[str, Any]]) -> AuditSplit:
@@ -118,6 +129,9 @@ def split_for_audit(recipe: Any, train: list[dict[str, Any]]) -> AuditSplit:
     if audit.canaries:
         canary_record(recipe.task.type, "", "")  # refuses classification before anything is drawn
         split.canaries = make_canaries(audit)
+    if audit.one_run_canaries:
+        canary_record(recipe.task.type, "", "")  # refuses classification before anything is drawn
+        split.one_run = make_one_run_canaries(audit)
     return split
 
 
@@ -135,6 +149,8 @@ def write_audit(run_path: str | Path, split: AuditSplit, trained_on: int) -> Pat
             (staging / filename).write_text(_jsonl(getattr(split, name)), encoding="utf-8")
         if split.canaries is not None:
             (staging / CANARIES).write_text(json.dumps(split.canaries, indent=2), encoding="utf-8")
+        if split.one_run is not None:
+            (staging / ONE_RUN).write_text(json.dumps(split.one_run, indent=2), encoding="utf-8")
         sizes = {name: len(getattr(split, name)) for name in FILES}
         (staging / SPLIT).write_text(json.dumps({**sizes, "seed": split.seed, "trained_on": trained_on}, indent=2),
                                      encoding="utf-8")

@@ -67,6 +67,23 @@ def make_canaries(audit: Any) -> dict[str, Any]:
             "space_size": space_size(audit), "canaries": canaries, "unit": audit.canary_unit}
 
 
+def make_one_run_canaries(audit: Any) -> dict[str, Any]:
+    """The one-run audit's m canaries: distinct secrets (none an exposure canary's), each included independently
+    with probability ½ by a coin seeded with ``audit.seed`` (public randomness, never the data)."""
+    words = vocabulary(audit.canary_vocabulary, audit.seed)
+    taken = {c["secret"] for c in make_canaries(audit)["canaries"]} if audit.canaries else set()
+    if audit.one_run_canaries + len(taken) > space_size(audit) // 2:
+        raise UserError("More canaries than half the secret space; raise audit.canary_vocabulary or canary_words.")
+    rng, coin = random.Random(f"one-run-secrets-{audit.seed}"), random.Random(f"one-run-inclusion-{audit.seed}")
+    secrets: list[str] = []
+    while len(secrets) < audit.one_run_canaries:
+        secret = " ".join(rng.choice(words) for _ in range(audit.canary_words))
+        if secret not in taken and secret not in secrets:
+            secrets.append(secret)
+    return {"prefix": audit.canary_prefix, "inclusion": "independent, probability 1/2, coins seeded by audit.seed",
+            "canaries": [{"secret": secret, "included": coin.random() < 0.5} for secret in secrets]}
+
+
 def canary_user(seed: int, number: int, unit: str, copy: int) -> str:
     """The synthetic user id of copy ``copy`` of canary ``number``: one user for all copies (unit ``user``), or one
     per copy (``example``), so a canary is one person repeating a secret or that many people sharing it."""

@@ -33,7 +33,7 @@ from dptext.finetune.user_level import (check_single_process, evaluation_users, 
 from dptext.finetune.validate import validate_run
 from dptext.output import Output
 from dptext.release import inherited_flags, recipe_flags, recipe_unit
-from dptext.runs import FINAL_EVALUATION, MODEL_DIR, RunDir, atomic_directory, write_manifest
+from dptext.runs import FINAL_EVALUATION, MODEL_DIR, RunDir, atomic_directory, atomic_write_json, write_manifest
 from dptext.tasks.eval_journal import EvaluationJournal, records_digest, weights_digest
 
 
@@ -160,6 +160,8 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     # who is (not) a member, for `dptext mia`; same seed on resume, same split
     if training.audit is not None and dist.is_writer:
         write_audit(run.path, training.audit, trained_on=len(training.examples))
+    if training.mf_strategy is not None and dist.is_writer:  # banded MF: a function of the recipe and n only
+        atomic_write_json(run.path / "mf_strategy.json", training.mf_strategy)
     evaluate = _evaluator(training, output)
     start_step = restore(training, state, run.checkpoint_dir) if state is not None else 0
     if state is not None:

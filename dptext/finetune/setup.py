@@ -19,6 +19,7 @@ from dptext.adaptation import apply_adaptation, trainable_summary
 from dptext.data import load_records
 from dptext.data.audit_split import audit_requested, split_for_audit
 from dptext.errors import UserError
+from dptext.finetune.banded_mf import build_banded_mf
 from dptext.finetune.distributed import current
 from dptext.finetune.edp import build_edp
 from dptext.finetune.seeds import privacy_seed, seed_everything
@@ -58,6 +59,7 @@ class Training:
     info: dict = field(default_factory=dict)
     audit: Any = None  # dptext.data.audit_split.AuditSplit when the recipe's audit section asks for one
     dist: Any = None  # dptext.finetune.distributed.ProcessGroup (world size 1 unless launched by torchrun)
+    mf_strategy: Any = None  # privacy.mechanism=banded_mf: the strategy's coefficients (mf_strategy.json)
     selection: Any = None  # dptext.finetune.selection.Selection when the recipe selects on validation
     users: Any = None  # privacy.unit=user: the example indices of each user (the privacy units), else None
 
@@ -168,7 +170,12 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
     if privacy.enabled:
         check_training_accountant(privacy.accountant)
         privacy_seed(privacy, recipe.train.seed)  # refuses contradictory randomness settings before any work
-    if privacy.enabled and privacy.method == "edp_sgd":
+    if privacy.enabled and privacy.mechanism == "dp_sgd" and privacy.sampling == "cyclic":
+        raise UserError("privacy.sampling=cyclic is accounted only with privacy.mechanism=banded_mf (DP-SGD's "
+                        "accountant assumes Poisson sampling); use sampling=poisson, or mechanism=banded_mf.")
+    if privacy.enabled and privacy.mechanism == "banded_mf":
+        build_banded_mf(training, dist, probe_now)
+    elif privacy.enabled and privacy.method == "edp_sgd":
         build_edp(training, dist, probe_now)
     elif privacy.enabled:
         training.noise_multiplier = noise_for(recipe, plan)
