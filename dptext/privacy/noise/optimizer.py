@@ -105,8 +105,8 @@ class DPOptimizer:
                  reduce: Callable[[dict], dict] | None = None, adds_noise: bool = True,
                  scale: dict[nn.Parameter, float] | None = None,
                  any_rank: Callable[[bool, torch.device], bool] | None = None):
-        """``reduce`` sums the noisy sums over processes (dptext.privacy.sharding.distributed); ``adds_noise`` is False on
-        every rank but 0 there, so the noise is drawn once. ``scale`` multiplies a parameter's noisy sum after
+        """``reduce`` sums the noisy sums over processes (dptext.privacy.sharding.distributed); ``adds_noise`` is
+        False on every rank but 0 there, so the noise is drawn once. ``scale`` multiplies a parameter's noisy sum after
         the reduction (eDP-SGD's α_l: clipping and noise happen in the scaled space). ``any_rank`` (several
         processes) tells every rank whether any rank refused the logical batch (``refuse``, ``collective_verdict``)."""
         self.optimizer = optimizer

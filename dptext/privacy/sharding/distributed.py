@@ -48,7 +48,7 @@ class DistributedContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    sharded: bool = False  # FSDP2 (train.sharding=fsdp): each rank owns rows of every parameter (privacy/sharding/sharded.py)
+    sharded: bool = False  # FSDP2 (train.sharding=fsdp): each rank owns rows of every parameter (sharding/sharded.py)
 
     @property
     def active(self) -> bool:
