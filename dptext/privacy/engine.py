@@ -39,7 +39,7 @@ from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsil
 from dptext.accounting.calibrate import check_training_accountant
 from dptext.errors import UserError
 from dptext.privacy.clipping.capture import UseRecorder
-from dptext.privacy.clipping.clipped_step import clip_recorded, exact_arithmetic, ghost_backward
+from dptext.privacy.clipping.clipped_step import backward_once, clip_recorded, exact_arithmetic, ghost_backward
 from dptext.privacy.clipping.owned_params import carry_trainable_by_name, give_back, take_out_of_autograd
 from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
 from dptext.privacy.proof.outside_reads import OutsideReads
@@ -271,7 +271,7 @@ class PrivacyEngine:
         check_no_foreign_backward(self)
         if self.clipping_mode == "ghost":
             return ghost_backward(self, per_example_loss, unit_ids)
-        per_example_loss.sum().backward()
+        backward_once(per_example_loss)
         return clip_recorded(self, per_example_loss, unit_ids)
 
     def step(self, per_example_loss: Tensor | None = None) -> None:
