@@ -176,11 +176,18 @@ class RunDir:
         if out.exists() and any(out.iterdir()) and not cls(out).reusable():
             raise UserError(f"Run directory '{out}' already exists and is not empty; "
                             f"pass --resume {out} to continue it or choose another --out.")
-        out.mkdir(parents=True, exist_ok=True)
-        run = cls(out)
-        atomic_write_text(run.path / RESOLVED, dump_recipe(recipe))
-        atomic_write_json(run.path / PROVENANCE, provenance())
-        write_manifest(run.path, "run", release.recipe_flags(recipe), release.recipe_unit(recipe))
+        missing = [folder for folder in (out, *out.parents) if not folder.exists()]  # what a failure takes back
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            run = cls(out)
+            atomic_write_text(run.path / RESOLVED, dump_recipe(recipe))
+            atomic_write_json(run.path / PROVENANCE, provenance())
+            write_manifest(run.path, "run", release.recipe_flags(recipe), release.recipe_unit(recipe))
+        except OSError as error:  # an --out under a file, a read-only or full disk: nothing is left half-written
+            for folder in missing:  # deepest first
+                shutil.rmtree(folder, ignore_errors=True)
+            raise UserError(f"The run directory '{out}' cannot be written ({error.strerror or error}); choose "
+                            "another --out.") from None
         return run
 
     @classmethod

@@ -156,3 +156,31 @@ def test_interrupted_run_resumes_to_the_same_parameters(tmp_path):
     resumed = _train(runs.RunDir.open(run.path), total_steps=10)
     assert torch.equal(straight, resumed)
     assert [r["step"] for r in run.read_metrics()] == list(range(1, 11))
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_sentence_and_leaves_nothing(tmp_path, monkeypatch):
+    """An --out the pre-checks pass but the disk refuses (root ignores permissions; a full or read-only disk):
+    one sentence, and the folders this call created are gone (issue 43: it was an 'unexpected' exit 1)."""
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runs, "atomic_write_json", disk_full)
+    out = tmp_path / "new" / "deeper" / "run"
+    with pytest.raises(UserError, match="^The run directory '.*run' cannot be written \\(No space left on device\\); "
+                                        "choose another --out.$"):
+        runs.RunDir.create(config.Recipe(), out=out)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where mkdir fails even for root")
+def test_finetune_out_under_proc_is_one_sentence_exit_2():
+    import subprocess
+    import sys
+
+    recipe = os.path.join(os.path.dirname(__file__), "..", "recipes", "sst2-head.yaml")
+    proc = subprocess.run([sys.executable, "-m", "dptext", "finetune", recipe, "model.name=tiny-bert",
+                           "data.max_train_examples=8", "--out", f"/proc/dptext-run-{os.getpid()}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot be written" in proc.stderr and "choose another --out" in proc.stderr
+    assert "unexpected" not in proc.stderr and "Traceback" not in proc.stderr

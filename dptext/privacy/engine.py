@@ -39,7 +39,8 @@ from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsil
 from dptext.accounting.calibrate import check_training_accountant
 from dptext.errors import UserError
 from dptext.privacy.clipping.capture import UseRecorder
-from dptext.privacy.clipping.clipped_step import clip_recorded, exact_arithmetic, ghost_backward
+from dptext.privacy.clipping.clipped_step import backward_once, clip_recorded, exact_arithmetic, ghost_backward
+from dptext.privacy.clipping.owned_params import carry_trainable_by_name, give_back, take_out_of_autograd
 from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
 from dptext.privacy.proof.outside_reads import OutsideReads
 from dptext.privacy.clipping.plan import (_check_choice, _check_optimizer, _module_names, _sampling_numbers,
@@ -192,9 +193,11 @@ class PrivacyEngine:
         self.recorder = UseRecorder(self.model, self.tracked, keep_outputs=self.clipping_mode == "ghost",
                                     names=self.names)
         self.recorder.add_handle(prove_first)
+        self.planned_dtypes = {param: param.dtype for param in self.params}  # what the probe proved
+        self.planned_names = {name for name, param in self.model.named_parameters(remove_duplicate=False)
+                              if param in self.planned_dtypes}  # a parameter replaced later is trained as before
         if self.clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
-            for param in self.params:
-                param.requires_grad_(False)
+            take_out_of_autograd(self.params)
 
     def param_names(self) -> dict[nn.Parameter, str]:
         """Each parameter's dotted name in the model (for messages)."""
@@ -213,9 +216,7 @@ class PrivacyEngine:
         self.recorder.remove()
         self.outside_reads.remove()
         if self.clipping_mode != "ghost":  # give autograd back what the old plan took, if still in the model
-            in_model = set(self.model.parameters())
-            for param in self.params:
-                param.requires_grad_(param in in_model)
+            carry_trainable_by_name(self.model, self.params, self.planned_names)
         self._plan()
         self.dp_optimizer.params = self.params
         self.dp_optimizer.param_names = self.param_names()
@@ -271,7 +272,7 @@ class PrivacyEngine:
         check_no_foreign_backward(self)
         if self.clipping_mode == "ghost":
             return ghost_backward(self, per_example_loss, unit_ids)
-        per_example_loss.sum().backward()
+        backward_once(per_example_loss)
         return clip_recorded(self, per_example_loss, unit_ids)
 
     def step(self, per_example_loss: Tensor | None = None) -> None:
@@ -374,5 +375,5 @@ class PrivacyEngine:
         self.outside_reads.remove()
         self._step_guard.remove()
         self.dp_optimizer.release()
-        for param in self.params:
-            param.requires_grad_(True)
+        if self.clipping_mode != "ghost":  # ghost never took them; a layer frozen since keeps its choice
+            give_back(self.params)

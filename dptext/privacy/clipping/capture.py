@@ -19,7 +19,8 @@ Fail closed (SPEC §2 (a)–(c), docs/privacy_engine.md):
   for one row of position ids) has its input expanded to the whole batch so each example's output gradient stays
   its own; the probe checks that this leaves the forward unchanged (``expansions``).
 * Where the layer's parameters do not require grad during the pass (book-keeping and per-sample modes) and
-  nothing upstream does either, the output is marked as requiring grad so the backward pass still reaches it.
+  nothing upstream does either, the output is put in the graph (``in_place.in_graph``) so the backward pass
+  still reaches it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.proof.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, tensors_in
+from dptext.privacy.proof.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, in_graph, tensors_in
 from dptext.privacy.norms import MODEL_PATCHES
 
 BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values")
@@ -231,7 +232,7 @@ class UseRecorder:
         if not isinstance(output, Tensor):
             raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) returned "
                             f"{type(output).__name__}, but its rule describes a layer returning one tensor; "
-                            "freeze it or use clipping_mode='per_sample'.")
+                            f"freeze its own parameters ({', '.join(names)}) or train the model through LoRA.")
         inputs = args + tuple(kwargs.values()) if getattr(rule, "takes_keywords", False) else \
             bind_inputs(module, args, kwargs)
         # rules that read their inputs from the call themselves (keep_call: position ids, DoRA's adapters) say
@@ -241,8 +242,7 @@ class UseRecorder:
             raise UserError(f"Layer '{self._name(module)}' ({type(module).__name__}) is called with "
                             f"{len(inputs)} inputs but its rule describes {expected}, so its per-example gradient "
                             "is unproven; run the start-up probe (privacy.verify / engine.verify()) or freeze it.")
-        if not output.requires_grad:
-            output.requires_grad_(True)  # a leaf: the layer's weights are excluded from autograd in this pass
+        output = in_graph(output)  # the layer's weights are excluded from autograd in this pass
         with torch.no_grad():  # what we keep feeds our own arithmetic, never autograd's graph
             rows = output.shape[0] if output.ndim else 0
             detached_kwargs = {k: v for k, v in zip(kwargs, _detached(kwargs.values()))}

@@ -125,6 +125,9 @@ def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = N
     """Ghost clipping's two passes; returns the (B,) per-example norms (with ``units``, the per-unit norms)."""
     if _sharded(engine):
         _check_summing(engine)
+    if not engine.recorder.outputs():  # before the graph walk, which would blame a parameter for it
+        engine.recorder.take_uses()
+        raise UserError(NOTHING_RECORDED)
     param = engine.outside_reads.outside_read(per_example_loss)
     engine.outside_reads.clear()
     if param is not None:
@@ -190,12 +193,43 @@ def _sharded(engine) -> bool:
     return engine.distributed is not None and engine.distributed.sharded
 
 
+ACCUMULATED_TWICE = ("This loss was passed to accumulate() already (its backward pass has run and its graph is "
+                     "freed); run the model's forward pass again for each accumulate() or step() call.")
+NOTHING_RECORDED = (  # ghost's form of ACCUMULATED_TWICE too: the first pass finds no recorded output left
+    "No layer output of this loss's forward pass is recorded for ghost clipping: the loss was passed to "
+    "accumulate() already, or its layers ran inside activation checkpointing with use_reentrant=True (they run "
+    "again only in the backward pass); run the forward pass again for each accumulate() call, checkpoint with "
+    "use_reentrant=False, or use clipping_mode='bookkeeping'.")
+REENTRANT_CHECKPOINT = (
+    "Ghost clipping's first pass is a torch.autograd.grad call on the layers' recorded outputs, which activation "
+    "checkpointing with use_reentrant=True does not support; checkpoint with use_reentrant=False (Hugging Face: "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})) or use "
+    "clipping_mode='bookkeeping'.")
+
+
+def backward_once(per_example_loss: Tensor) -> None:
+    """Book-keeping and per_sample's one backward pass; a part of the loss's graph freed by an earlier one (a
+    slice of a loss accumulated already) is refused in one sentence, before anything joins the batch."""
+    try:
+        per_example_loss.sum().backward()
+    except RuntimeError as error:
+        if "backward through the graph a second time" not in str(error):
+            raise
+        raise UserError(ACCUMULATED_TWICE) from None
+
+
 def _norm_pass(engine, per_example_loss: Tensor) -> None:
     """Pass 1 differentiates only down to the recorded layer outputs: no weight gradients are formed (and under
     FSDP2 nothing is reduce-scattered)."""
     with gradient_sync_off(engine.model) if _sharded(engine) else nullcontext():
-        torch.autograd.grad(per_example_loss.sum(), engine.recorder.outputs(), retain_graph=True,
-                            allow_unused=True)
+        try:
+            torch.autograd.grad(per_example_loss.sum(), engine.recorder.outputs(), retain_graph=True,
+                                allow_unused=True)
+        except RuntimeError as error:  # torch's reentrant checkpoint refuses autograd.grad (it says so by name)
+            if "use_reentrant=True" not in str(error):
+                raise
+            engine.recorder.take_uses()
+            raise UserError(REENTRANT_CHECKPOINT) from None
 
 
 def _sum_pass(engine, weighted_loss: Tensor) -> dict:

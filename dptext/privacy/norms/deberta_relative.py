@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dptext.privacy.norms.registry import qualified_name, register_model_patch
+from dptext.privacy.norms.registry import InstancePatch as _Patch, qualified_name, register_model_patch
 
 ENCODER = "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder"
 ATTENTION = "transformers.models.deberta_v2.modeling_deberta_v2.DisentangledSelfAttention"
@@ -43,23 +43,6 @@ def position_projections(attention: nn.Module) -> list[str]:
         return ["query_proj", "key_proj"]
     kinds = attention.pos_att_type
     return [name for name, kind in (("pos_key_proj", "c2p"), ("pos_query_proj", "p2c")) if kind in kinds]
-
-
-class _Patch:
-    """An attribute set on an instance, and put back by ``remove()`` (the engine's hook handles)."""
-
-    def __init__(self, module: nn.Module, name: str, value):
-        self.module, self.name, self.value = module, name, value
-        self.before = module.__dict__.get(name, _Patch)  # an instance attribute someone else set, kept
-        module.__dict__[name] = value
-
-    def remove(self) -> None:
-        if self.module.__dict__.get(self.name) is not self.value:
-            return  # replaced again since: not ours to undo
-        if self.before is _Patch:
-            del self.module.__dict__[self.name]
-        else:
-            self.module.__dict__[self.name] = self.before
 
 
 class _Given(nn.Module):

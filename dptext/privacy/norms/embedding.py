@@ -45,7 +45,7 @@ class EmbeddingRule:
         ids = inputs[0]
         if module.padding_idx is not None:
             ids = ids.masked_fill(ids == module.padding_idx, NO_ROW)
-        return ids.reshape(ids.shape[0], -1)
+        return ids.flatten(1) if ids.ndim > 1 else ids[:, None]  # (B, ids per example); reshape(B, -1) fails at B = 0
 
     def norm_sq(self, module, names, ids, grad_output) -> dict[str, Tensor]:
         g = grad_output.reshape(ids.shape[0], ids.shape[1], -1)

@@ -87,8 +87,16 @@ class FunctionalRule:
             _, vjp = torch.func.vjp(forward, params)
             return vjp(example_grad.unsqueeze(0))[0]
 
-        return torch.func.vmap(one_example, in_dims=(None, 0, 0, 0))(params, batched_args, batched_kwargs,
-                                                                       grad_output)
+        try:
+            return torch.func.vmap(one_example, in_dims=(None, 0, 0, 0))(params, batched_args, batched_kwargs,
+                                                                           grad_output)
+        except RuntimeError as error:  # torch names the limit itself; the layer and the way out are ours to say
+            if "setup_context" not in str(error):
+                raise
+            raise UserError(f"{type(module).__name__} calls a torch.autograd.Function written the old way (ctx in "
+                            "forward, no setup_context staticmethod), which torch.func cannot replay for its "
+                            "per-example gradients; give the Function a setup_context (torch's 'Extending "
+                            "torch.func with autograd.Function') or freeze the layer.") from None
 
     def norm_sq(self, module, names, call, grad_output) -> dict[str, Tensor]:
         return norm_sq_of(self.per_example(module, names, call, grad_output))

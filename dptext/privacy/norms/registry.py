@@ -131,3 +131,21 @@ def find_rule(module: nn.Module):
         if rule.matches(module) and rule.verify(module):
             return rule
     return None
+
+
+class InstancePatch:
+    """An attribute set on an instance, and put back by ``remove()`` (the engine's hook handles): rules and model
+    patches that replace a method of one layer (DeBERTa's positions, UMT5's relative bias)."""
+
+    def __init__(self, module: nn.Module, name: str, value):
+        self.module, self.name, self.value = module, name, value
+        self.before = module.__dict__.get(name, InstancePatch)  # an instance attribute someone else set, kept
+        module.__dict__[name] = value
+
+    def remove(self) -> None:
+        if self.module.__dict__.get(self.name) is not self.value:
+            return  # replaced again since: not ours to undo
+        if self.before is InstancePatch:
+            del self.module.__dict__[self.name]
+        else:
+            self.module.__dict__[self.name] = self.before

@@ -15,14 +15,19 @@ mode all come from the Embedding rule.
   passes it in; the hook on that view gets (B, H, q, k) gradients.
 * MPNet: the encoder computes the bias already expanded and copied to (B, H, q, k); the first attention layer
   that receives it registers the hook.
+* UMT5: every attention layer has a table of its own and computes its bias itself (``compute_bias``), so that
+  method is replaced on each layer by one that expands its result to the batch (a view: same sums) and records
+  it. The generic Embedding rule took the (q, k) bucket ids for rows: wrong when B = q, a crash when q = 1.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
+from dptext.privacy.proof.in_place import in_graph
+
 from dptext.privacy.norms.embedding import EmbeddingRule
-from dptext.privacy.norms.registry import qualified_name, register_child_rule
+from dptext.privacy.norms.registry import InstancePatch, qualified_name, register_child_rule
 
 
 def record_shared_lookup(recorder, table: nn.Module, rule, ids: Tensor, bias: Tensor) -> None:
@@ -42,8 +47,7 @@ class SharedTableRule(EmbeddingRule):
     def table_hook(self, recorder):
         def after_lookup(table, args, output):
             if recorder.active():
-                if not output.requires_grad:
-                    output.requires_grad_(True)  # book-keeping took the table out of autograd: keep the path
+                output = in_graph(output)  # book-keeping took the table out of autograd: keep the path
                 self.pending[table] = args[0].detach()
             return output
 
@@ -72,6 +76,27 @@ class T5RelativeBiasRule(SharedTableRule):
             bias = bias.expand(hidden.shape[0], -1, -1, -1)  # a view: the sums the layers compute are unchanged
             record_shared_lookup(recorder, table, self, self.pending.pop(table), bias)
             return args, {**kwargs, "position_bias": bias}
+
+        return compute_bias_per_example
+
+
+UMT5_ATTENTION = "transformers.models.umt5.modeling_umt5.UMT5Attention"
+
+
+@register_child_rule(UMT5_ATTENTION, "relative_attention_bias")
+class UMT5RelativeBiasRule(SharedTableRule):
+    def install(self, table: nn.Module, recorder, root: nn.Module) -> list:
+        attention = next(m for m in root.modules() if getattr(m, "relative_attention_bias", None) is table)
+        return [table.register_forward_hook(self.table_hook(recorder)),
+                InstancePatch(attention, "compute_bias", self._per_example(table, recorder, attention.compute_bias))]
+
+    def _per_example(self, table, recorder, compute_bias):
+        def compute_bias_per_example(*args, **kwargs):
+            bias = compute_bias(*args, **kwargs)
+            if recorder.active() and table in self.pending and recorder.batch_size:
+                bias = bias.expand(recorder.batch_size, -1, -1, -1)  # a view: the scores it is added to are the same
+                record_shared_lookup(recorder, table, self, self.pending.pop(table), bias)
+            return bias
 
         return compute_bias_per_example
 

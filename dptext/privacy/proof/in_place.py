@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 IN_PLACE = ("its output is a view of another tensor and is modified in place after the layer returns it, so "
@@ -49,3 +50,16 @@ def tensors_in(kept: Any) -> list[Tensor]:
     if isinstance(kept, dict):
         return [x for item in kept.values() for x in tensors_in(item)]
     return []
+
+
+def in_graph(output: Tensor) -> Tensor:
+    """``output``, made part of the graph when nothing upstream requires grad (book-keeping and per_sample take the
+    weights out of autograd, so the first layer's output has no node): the backward pass must reach its hook.
+
+    Plus a zero that requires grad, not ``output.requires_grad_()``: that would make the output a leaf, and a model
+    that changes it in place (CTRL's ``inputs_embeds *= sqrt(d)``, DeBERTa's ``pos_query_layer /= ...`` on a view
+    of it) would crash where plain autograd does not. The sum is the same values with a node of its own, so the
+    in-place change is one a hook sees exactly (the module docstring)."""
+    if output.requires_grad or not output.is_floating_point():
+        return output
+    return output + torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
+from dptext.privacy.clipping.owned_params import frozen_since_plan
 from dptext.privacy.clipping.plan import global_hook_keys
 
 
@@ -109,23 +110,37 @@ def check_no_foreign_backward(engine) -> None:
 def check_trainable_set(engine) -> None:
     """Every parameter the model would train must be in this plan (gradual unfreezing, a replaced head), and every
     planned parameter must still be the model's (``load_state_dict(assign=True)`` or a dtype conversion that makes
-    new Parameter objects would leave the optimizer updating the old ones)."""
+    new Parameter objects would leave the optimizer updating the old ones), still trained (a layer frozen since
+    would be noised and updated) and of the dtype the probe proved (``model.double()`` converts in place)."""
     planned = set(engine.params)
     named = list(engine.model.named_parameters())
     present = {id(param) for _, param in named}
     names = engine.dp_optimizer.param_names
     for param in engine.params:
-        if id(param) not in present:
+        problem = _changed_since_plan(engine, param, present)
+        if problem is not None:
             engine.dp_optimizer.zero_grad()
-            raise UserError(f"Parameter '{names.get(param, tuple(param.shape))}' of the privacy engine's plan is no "
-                            "longer in the model (replaced by load_state_dict(assign=True), a dtype conversion or a "
-                            "new module), so the optimizer would update a stale copy; call engine.replan().")
+            raise UserError(f"Parameter '{names.get(param, tuple(param.shape))}' {problem}; call engine.replan() "
+                            "after changing the model (it re-runs the probe).")
     for name, param in named:
         if param.requires_grad and param not in planned:
             engine.dp_optimizer.zero_grad()
             raise UserError(f"Parameter '{name}' became trainable after the privacy engine planned its "
                             "clipping, so it has no clipped gradient; call engine.replan() after changing "
                             "what is trained (it re-runs the probe), or freeze it.")
+
+
+def _changed_since_plan(engine, param, present: set) -> str | None:
+    if id(param) not in present:
+        return ("of the privacy engine's plan is no longer in the model (replaced by load_state_dict(assign=True), "
+                "a dtype conversion or a new module), so the optimizer would update a stale copy")
+    if frozen_since_plan(param, engine.clipping_mode):
+        return ("was frozen after the privacy engine planned its clipping, so it would still be clipped, noised and "
+                "updated")
+    if param.dtype != engine.planned_dtypes.get(param, param.dtype):
+        return (f"changed dtype from {engine.planned_dtypes[param]} to {param.dtype} after the privacy engine "
+                "planned its clipping (the probe proved it at the old one)")
+    return None
 
 
 def parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:

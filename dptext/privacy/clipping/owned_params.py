@@ -1,0 +1,94 @@
+"""The planned parameters the engine takes out of autograd, and what the user asked of them since (issue 43).
+
+Book-keeping and per_sample compute every weight gradient from their hooks, so the engine sets the planned
+parameters' ``requires_grad`` to False (autograd then skips the weight-gradient GEMMs). A layer the user freezes
+after the engine was built (``layer.requires_grad_(False)``, ``p.requires_grad = False``) therefore changes no flag
+that could be seen, and the engine went on clipping, noising and updating it. Each such parameter is given the
+class ``EngineParameter``, a ``nn.Parameter`` that behaves the same except that an assignment of False while
+autograd already has it off is kept as a *freeze* (``frozen_since_plan``), which the step refuses until
+``engine.replan()``. Reading ``requires_grad`` still gives autograd's own flag, so code that saves and restores
+it (the probe's brute-force reference, a checkpoint reader) is unchanged and never reads as a freeze.
+
+Ghost clipping leaves the flags alone: there a frozen parameter is simply one whose flag went False. Parameters
+of another class (FSDP2's DTensor shards, quantised weights) keep their class, and a freeze after the plan is not
+seen for them in book-keeping and per_sample.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_FLAG = torch._C.TensorBase.requires_grad  # autograd's own flag, under the property below
+_FROZEN = "_dptext_frozen_since_plan"
+
+
+def _note(param: torch.Tensor, requires_grad: bool) -> None:
+    # False while the flag is already False can only be the user's: the engine's own changes, the probe's
+    # and the checkpoint reader's switch it on first and then restore it. The mark stays until replan().
+    if not requires_grad and not _FLAG.__get__(param):
+        param.__dict__[_FROZEN] = True
+
+
+class EngineParameter(nn.Parameter):
+    """A planned parameter that book-keeping or per_sample took out of autograd (see the module docstring)."""
+
+    @property
+    def requires_grad(self) -> bool:
+        return _FLAG.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        _note(self, bool(value))
+        _FLAG.__set__(self, value)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        _note(self, bool(requires_grad))
+        return super().requires_grad_(requires_grad)
+
+    def __repr__(self) -> str:  # as nn.Parameter's (the class is the engine's business)
+        return "Parameter containing:\n" + repr(self.detach())
+
+    def __deepcopy__(self, memo):
+        # a copy of the model is not planned: a plain Parameter (nn.Parameter would copy the class)
+        copied = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), _FLAG.__get__(self))
+        memo[id(self)] = copied
+        return copied
+
+
+def take_out_of_autograd(params: list[nn.Parameter]) -> None:
+    """Book-keeping and per_sample: no weight gradients from autograd; later freezes are recorded."""
+    for param in params:
+        param.requires_grad_(False)
+        if type(param) is nn.Parameter:  # noqa: E721 (exactly: subclasses and DTensor shards keep their class)
+            param.__class__ = EngineParameter
+
+
+def frozen_since_plan(param: nn.Parameter, clipping_mode: str) -> bool:
+    """Whether the user froze ``param`` after the engine planned it."""
+    if clipping_mode == "ghost":
+        return not param.requires_grad
+    return bool(param.__dict__.get(_FROZEN, False))
+
+
+def give_back(params: list[nn.Parameter], keep: set | None = None) -> None:
+    """Undo ``take_out_of_autograd`` (``replan``, ``detach``): each parameter is a plain ``nn.Parameter`` again and
+    requires grad unless it was frozen since the plan or is not in ``keep`` (no longer the model's)."""
+    for param in params:
+        frozen = bool(param.__dict__.pop(_FROZEN, False))
+        if type(param) is EngineParameter:  # noqa: E721
+            param.__class__ = nn.Parameter
+        param.requires_grad_(not frozen and (keep is None or param in keep))
+
+
+def carry_trainable_by_name(model: nn.Module, params: list[nn.Parameter], planned_names: set[str]) -> None:
+    """``replan`` in book-keeping and per_sample: the old plan's parameters are given back, and a parameter that
+    replaced one of them under the same name (``load_state_dict(assign=True)``, a dtype conversion that makes new
+    objects) copied the engine's False flag, so it is trained again as the one it replaced was."""
+    frozen = {param for param in params if frozen_since_plan(param, "bookkeeping")}
+    wanted = planned_names - {name for name, param in model.named_parameters(remove_duplicate=False)
+                              if param in frozen}
+    give_back(params, set(model.parameters()))
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in wanted and not param.requires_grad:
+            param.requires_grad_(True)
