@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsilon
 from dptext.accounting.calibrate import check_training_accountant
 from dptext.errors import UserError
+from dptext.privacy.noise.settings import check_settings
 from dptext.privacy.clipping.capture import UseRecorder
 from dptext.privacy.clipping.clipped_step import backward_once, clip_recorded, exact_arithmetic, ghost_backward
 from dptext.privacy.clipping.owned_params import carry_trainable_by_name, give_back, take_out_of_autograd
@@ -98,8 +99,7 @@ class PrivacyEngine:
         if clipping_mode == "ghost" and clipping_layout == "per_layer":
             raise UserError("Ghost clipping's second backward pass applies one factor per example; use "
                             "clipping_mode='bookkeeping' (or per_sample) for per-layer clipping.")
-        if noise_multiplier < 0 or max_grad_norm <= 0:
-            raise UserError("noise_multiplier must be ≥ 0 and max_grad_norm > 0.")
+        check_settings(noise_multiplier, max_grad_norm)
         self.model = model
         self._noise_multiplier = float(noise_multiplier)
         self._max_grad_norm = float(max_grad_norm)
