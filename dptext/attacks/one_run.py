@@ -10,8 +10,9 @@ So
     p(ε) = P[Binomial(r, q_ε) ≥ v] + 2mδ · max_{1≤i≤v} P[v − i ≤ Binomial(r, q_ε) < v] / i,   q_ε = e^ε/(1+e^ε)
 
 is a p-value for "the run is (ε, δ)-DP". It grows with ε, so the lower bound at confidence 1 − β is the largest
-ε with p(ε) ≤ β: every smaller ε is rejected at level β. On a correct engine this bound exceeds the proven ε with probability at most β; k₊ and k₋ must be fixed before the
-scores are seen (searching over them would spend that β many times).
+ε with p(ε) ≤ β: every smaller ε is rejected at level β. On a correct engine this bound exceeds the proven ε
+with probability at most β; k₊ and k₋ must be fixed before the scores are seen (searching over them would spend
+that β many times).
 """
 
 from __future__ import annotations
