@@ -118,7 +118,12 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     run this way); keys of its ``training.info`` override those of the result (e.g. ``privacy``)."""
     output = output or Output(quiet=True)
     if resume is not None:
+        if out is not None and Path(out).resolve() != Path(resume).resolve():
+            raise UserError(f"--resume continues the run in '{resume}' where it is; drop --out '{out}' (to train "
+                            "into another folder, start a new run there).")
         run = RunDir.open(resume)
+        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 alone writes the run directory
+            run.lock()
         finished = run.load_result()
         if finished is not None:
             if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports it
@@ -148,7 +153,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         if resume is None and dist.is_writer:
             run.remove_unstarted(keep_folder=existed)
         raise
-    state = run.load_checkpoint() if resume is not None else None
+    state = run.load_checkpoint(say=output.warn) if resume is not None else None
     if state is not None:
         check_same_account(training, state)
     training.selection = model_selection.make_selection(recipe, training.task, dist.active)

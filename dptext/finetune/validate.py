@@ -19,7 +19,8 @@ from dptext.errors import UserError
 from dptext.data.users import user_groups
 from dptext.finetune.user_level import check_user_level, user_level
 from dptext.model_check import check_model_name
-from dptext.runs import RunDir
+from dptext.locking import check_unlocked
+from dptext.runs import RunDir, visible_entries
 from dptext.tasks.label_sets import check_records as check_declared
 from dptext.tasks.label_sets import class_index, declared_classes, declared_intents_and_tags, other_index
 
@@ -37,7 +38,8 @@ def check_output_dir(out: str | Path | None) -> None:
         out = Path(out)
         if out.exists() and not out.is_dir():
             raise UserError(f"--out '{out}' is a file, not a folder; choose a folder path for the run directory.")
-        if out.is_dir() and any(out.iterdir()) and not RunDir(out).reusable():
+        check_unlocked(out)
+        if visible_entries(out) and not RunDir(out).reusable():
             raise UserError(f"Run directory '{out}' already exists and is not empty; "
                             f"pass --resume {out} to continue it or choose another --out.")
     existing = out
