@@ -158,6 +158,9 @@ class RunDir:
         root = root or os.environ.get("DPTEXT_RUNS_ROOT", "runs")
 
         if out is None:
+            if Path(recipe.name).name != recipe.name or recipe.name in ("", ".", ".."):  # would leave runs/
+                raise UserError(f"Recipe name {recipe.name!r} is not a plain folder name; give a name without '/' "
+                                "or '..' (the run goes to runs/<name>-<timestamp>), or choose the folder with --out.")
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
             out = Path(root) / f"{recipe.name}-{stamp}"
             suffix = 1

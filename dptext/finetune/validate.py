@@ -20,6 +20,7 @@ from dptext.data.users import user_groups
 from dptext.finetune.user_level import check_user_level, user_level
 from dptext.model_check import check_model_name
 from dptext.locking import check_unlocked
+from dptext.textfiles import relative_note
 from dptext.runs import RunDir, visible_entries
 from dptext.tasks.label_sets import check_records as check_declared
 from dptext.tasks.label_sets import class_index, declared_classes, declared_intents_and_tags, other_index
@@ -54,8 +55,8 @@ def check_data(recipe: Any) -> None:
     data = recipe.data
     info = dataset_info(data.dataset)  # an unknown reader is named, with the closest one
     if data.path and not Path(data.path).exists():
-        raise UserError(f"data.path '{data.path}' does not exist; pass an existing file or folder "
-                        f"for the {info.name} reader.")
+        raise UserError(f"data.path '{data.path}' does not exist{relative_note(data.path)}; pass an existing "
+                        f"file or folder for the {info.name} reader.")
     task = recipe.task.type
     if task in LABELLED_TASKS and info.name in UNLABELLED_DATASETS:
         raise UserError(f"task.type={task} needs a class label per record but data.dataset={info.name} has none; "
