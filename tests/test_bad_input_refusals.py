@@ -78,3 +78,18 @@ def test_a_teacher_run_given_as_synthetic_data_is_named(tmp_path):
     locking.release_all()
     with pytest.raises(UserError, match="is a run directory, not a `dptext synth` folder"):
         synthetic_provenance(str(run.path), None)
+
+
+def test_duplicated_rows_across_train_and_test_are_counted_and_warned(tmp_path, capsys):
+    from dptext.finetune.validate import copies_in_training
+    from test_bad_input_cases import cli, own_data
+
+    assert copies_in_training([{"text": "a"}, {"text": "b"}], [{"text": "a"}, {"text": "c"}, {"text": "a"}]) == 2
+    texts = [f"review number {i // 2} was {'good' if i // 2 % 2 else 'bad'}" for i in range(48)]  # every row twice
+    data = own_data(tmp_path, labels=[i // 2 % 2 for i in range(48)], texts=texts)
+    code, err = cli(finetune(tmp_path, f"data.path={data}", "train.max_steps=1"), capsys)
+    assert code == 0, err
+    warning = next(line for line in err.splitlines() if "word-for-word copy" in line)
+    diagnostics = runs.RunDir(tmp_path / "run").read_metrics(runs.DIAGNOSTICS)
+    copies = next(r["copies"] for r in diagnostics if r.get("event") == "split_copies")
+    assert copies > 0 and warning.startswith(f"warning: {copies} of the ")

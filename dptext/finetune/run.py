@@ -154,6 +154,8 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
             run.remove_unstarted(keep_folder=existed)
         raise
     state = run.load_checkpoint(say=output.warn) if resume is not None else None
+    if training.split_copies and resume is None and dist.is_writer:
+        warn_split_copies(training, run, output)
     if state is not None:
         check_same_account(training, state)
     training.selection = model_selection.make_selection(recipe, training.task, dist.active)
@@ -201,6 +203,16 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     run.save_result(result, release_flags(training))
     release()
     return {**result, "seconds": seconds}
+
+
+def warn_split_copies(training: Any, run: RunDir, output: Any) -> None:
+    """Duplicated rows on both sides of the split: said once, and kept with the not-covered diagnostics (the count
+    is an un-noised statistic of the private data)."""
+    split, copies = training.recipe.eval.split, training.split_copies
+    output.warn(f"{copies} of the {len(training.final_records)} {split} records have a word-for-word copy in the "
+                f"training split (duplicated rows), so the {split} metrics overstate how the model does on new "
+                "text; deduplicate the data (this count is not covered by ε; diagnostics_not_private.jsonl keeps it).")
+    run.log_diagnostics({"event": "split_copies", "step": 0, "split": split, "copies": copies})
 
 
 def _announce(training: Any, output: Any) -> None:

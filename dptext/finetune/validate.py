@@ -117,6 +117,13 @@ def check_records(recipe: Any, splits: dict[str, list]) -> None:
             check_declared(records, known, mapped, what, key, split, recipe.data.path)
 
 
+def copies_in_training(train: list, held_out: list) -> int:
+    """How many held-out records have a word-for-word copy of their text in the training split: duplicated rows
+    land on both sides of a seeded split, and the held-out metrics then measure memory, not new text."""
+    seen = {r["text"] for r in train if isinstance(r, dict) and isinstance(r.get("text"), str)}
+    return sum(1 for r in held_out if isinstance(r, dict) and isinstance(r.get("text"), str) and r["text"] in seen)
+
+
 def validate_local_data(recipe: Any) -> None:
     """`dptext check`: read the training split when it is on this machine (never the hub) and check its records."""
     if recipe.data.path or dataset_info(recipe.data.dataset).offline:
