@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,10 @@ def check_relations(recipe: Any, given: set[str]) -> None:
 
 
 def infer_dataset(data: Any) -> None:
-    """data.dataset from data.path when it is empty: a generic reader named by the file's extension."""
+    """data.dataset from data.path when it is empty: a generic reader named by the file's extension (and
+    ``~`` in data.path expanded, as a shell would, so resolved.yaml names the folder that was read)."""
+    if isinstance(data.path, str) and data.path.startswith("~"):
+        data.path = os.path.expanduser(data.path)
     if data.dataset not in (None, ""):
         return
     if data.path in (None, ""):

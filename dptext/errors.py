@@ -20,3 +20,27 @@ class RunInterrupted(Exception):
     def __init__(self, run_dir: object, step: int):
         super().__init__(f"interrupted after step {step} (checkpoint written)")
         self.run_dir, self.step = run_dir, step
+
+
+NO_SPACE_ERRNOS = (28, 122)  # ENOSPC, EDQUOT (a full disk or a spent quota)
+
+
+def is_no_space(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is a full disk: an OSError ENOSPC/EDQUOT, or torch's zip writer failing
+    mid-file ("[enforce fail at inline_container.cc] ... file write failed / unexpected pos"), which is how
+    ``torch.save`` reports a full disk."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            return True
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and "inline_container" in text and (
+                "write failed" in text or "unexpected pos" in text):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def no_space_error(path: object) -> UserError:
+    return UserError(f"No space left on the device while writing '{path}' (nothing half-written is kept); free "
+                     "space, then continue with --resume RUN_DIR (for synth: the same command again).")

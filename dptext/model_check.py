@@ -54,6 +54,7 @@ def check_model_name(name: str, key: str = "model.name") -> None:
     if name in OFFLINE_MODELS or name in TINY_MODELS or name in CLC_MODELS:
         return
     aliases = ", ".join(list(OFFLINE_MODELS) + list(TINY_MODELS))
+    name = os.path.expanduser(name) if name.startswith("~") else name
     if os.path.isdir(name):
         if not any(os.path.isfile(os.path.join(name, f)) for f in ("config.json", "adapter_config.json")):
             raise UserError(f"{key}: folder '{name}' holds no config.json, so it is not a saved model; pass the "

@@ -120,6 +120,8 @@ RUN_ENTRIES = (
     Entry("checkpoints/*.pt", NOT_COVERED, "model, optimizer, sampler, noise-generator and RNG states for resuming",
           "the sampler's and noise generator's states regenerate the sampled batches and the noise; share "
           "model/ instead"),
+    Entry("checkpoints/*.pt.sha256", NOT_COVERED, "the SHA-256 of each checkpoint, checked before a resume uses it",
+          "a digest of a checkpoint, which is not covered"),
     Entry("audit_not_private/*", NOT_COVERED, "member / non-member / public records and canaries for `dptext mia`",
           "copies of the training records themselves"),
     Entry("mia_not_private/*", NOT_COVERED, "membership-inference reports, ROC plots and reference runs",

@@ -7,24 +7,21 @@ Layout of ``runs/<recipe>-<timestamp>/`` (or ``--out``)::
     metrics.jsonl        one JSON object per logged step / evaluation: step, ε spent, evaluation metrics
     diagnostics_not_private.jsonl   per-step loss, realised batch size, clock; the run's seconds (NOT covered by ε)
     ledger.json          privacy state: q, σ per step, δ, ε per accountant
-    checkpoints/         step-00000123.pt files plus LATEST, each written atomically
+    checkpoints/         step-00000123.pt files, their .sha256 checksums, and LATEST, each written atomically
     result.json          the final summary, written when the run completes
     release.json         every file above with its release status (``dptext.release``)
 
-Only files registered in ``dptext.release`` may be written: ``atomic_write`` refuses any other inside a
-folder that has a ``release.json`` (and rewrites that manifest after each file it writes there), and
-``write_manifest`` fails on an unregistered file it finds.
-
-Every file is written to a temporary name in the same folder, flushed, fsynced and
-renamed over the target, so a crash or Ctrl-C leaves either the old file or the new
-one, never a torn one. ``--resume DIR`` reopens the directory and continues from the
-newest complete checkpoint.
+Only files registered in ``dptext.release`` may be written: ``atomic_write`` refuses any other inside a folder that
+has a ``release.json`` (and rewrites that manifest after each file it writes there), and ``write_manifest`` fails on
+an unregistered file it finds. Every file is written to a temporary name in the same folder, flushed, fsynced and
+renamed over the target, so a crash, Ctrl-C or a full disk (one sentence, ``dptext.errors.no_space_error``) leaves
+the old file or the new one, never a torn one. One process writes a run at a time (``dptext.locking``, the
+``.lock`` file). ``--resume DIR`` continues from the newest checkpoint that verifies (``dptext.checkpoint_files``).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import io
 import json
 import os
 import shutil
@@ -34,9 +31,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dptext import release
+from dptext.checkpoint_files import HashingWriter, checksum_path, load_newest_valid
 from dptext.config import dump_recipe, load_recipe
-from dptext.errors import UserError
+from dptext.errors import UserError, is_no_space, no_space_error
+from dptext.locking import lock_folder
+from dptext.locking import release as release_lock
 from dptext.output import _jsonable
+from dptext.textfiles import read_json, read_lines, visible_entries
 from dptext.provenance import provenance
 
 RESOLVED = "resolved.yaml"
@@ -60,9 +61,16 @@ def append_json_line(path: str | Path, record: Any) -> None:
     """Append ``record`` as one JSON line (a registered file); flushed and fsynced so a crash loses at most it."""
     release.check_registered(Path(path))
     with open(path, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(_jsonable(record)) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+        size = handle.tell()
+        try:
+            handle.write(json.dumps(_jsonable(record)) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        except OSError as exc:  # a full disk: no torn line for the next record to be glued to
+            handle.truncate(size)
+            if is_no_space(exc):
+                raise no_space_error(path) from exc
+            raise
 
 
 def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = False) -> None:
@@ -78,9 +86,11 @@ def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = 
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; results should read like any other file
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if is_no_space(exc):
+            raise no_space_error(path) from exc
         raise
     if root is not None and path.name != release.MANIFEST:  # keep release.json in step with the folder
         write_manifest(root)
@@ -102,6 +112,10 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
+    except Exception as exc:  # e.g. save_pretrained on a full disk
+        if is_no_space(exc):
+            raise no_space_error(target) from exc
+        raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -117,18 +131,6 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(_jsonable(data), indent=2) + "\n")
 
 
-def atomic_write_png(path: str | Path, figure: Any) -> Path:
-    """Save a matplotlib figure as a PNG atomically, then close it."""
-    # lazily: light commands (`dptext account`, `check`) use runs.py
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    plt.close(figure)
-    atomic_write(path, lambda handle: handle.write(buffer.getvalue()), binary=True)
-    return Path(path)
-
-
 def write_manifest(root: str | Path, kind: str | None = None, flags: Any = None, unit: Any = None) -> dict[str, Any]:
     """(Re)write ``root/release.json``; kind, flags and privacy unit default to those of the manifest already there."""
     previous = release.read_manifest(root) or {}
@@ -137,16 +139,6 @@ def write_manifest(root: str | Path, kind: str | None = None, flags: Any = None,
     data = release.manifest(root, kind, flags, unit or previous.get("privacy_unit"))
     atomic_write_text(Path(root) / release.MANIFEST, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     return data
-
-
-def read_lines(path: str | Path) -> list[str]:
-    """The non-empty lines of a text file split at '\\n' only (a trailing '\\r' dropped).
-
-    Not ``str.splitlines()``: that also splits at U+0085, U+2028 and other characters that JSON written with
-    ``ensure_ascii=False`` keeps inside a string, tearing the record in two.
-    """
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
-    return [line.removesuffix("\r") for line in lines if line.strip()]
 
 
 class RunDir:
@@ -166,6 +158,9 @@ class RunDir:
         root = root or os.environ.get("DPTEXT_RUNS_ROOT", "runs")
 
         if out is None:
+            if Path(recipe.name).name != recipe.name or recipe.name in ("", ".", ".."):  # would leave runs/
+                raise UserError(f"Recipe name {recipe.name!r} is not a plain folder name; give a name without '/' "
+                                "or '..' (the run goes to runs/<name>-<timestamp>), or choose the folder with --out.")
             stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
             out = Path(root) / f"{recipe.name}-{stamp}"
             suffix = 1
@@ -173,17 +168,18 @@ class RunDir:
                 suffix += 1
                 out = Path(root) / f"{recipe.name}-{stamp}-{suffix}"
         out = Path(out)
-        if out.exists() and any(out.iterdir()) and not cls(out).reusable():
-            raise UserError(f"Run directory '{out}' already exists and is not empty; "
-                            f"pass --resume {out} to continue it or choose another --out.")
         missing = [folder for folder in (out, *out.parents) if not folder.exists()]  # what a failure takes back
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            lock_folder(out)  # one writer: a second `--out` or `--resume` of this folder is refused from here on
+            if not cls(out).reusable() and visible_entries(out):
+                raise UserError(f"Run directory '{out}' already exists and is not empty; "
+                                f"pass --resume {out} to continue it or choose another --out.")
             run = cls(out)
             atomic_write_text(run.path / RESOLVED, dump_recipe(recipe))
             atomic_write_json(run.path / PROVENANCE, provenance())
             write_manifest(run.path, "run", release.recipe_flags(recipe), release.recipe_unit(recipe))
         except OSError as error:  # an --out under a file, a read-only or full disk: nothing is left half-written
+            release_lock(out)
             for folder in missing:  # deepest first
                 shutil.rmtree(folder, ignore_errors=True)
             raise UserError(f"The run directory '{out}' cannot be written ({error.strerror or error}); choose "
@@ -199,10 +195,15 @@ class RunDir:
                             "pass the folder a previous run printed.")
         return run
 
+    def lock(self) -> "RunDir":
+        """Become the folder's one writer (``dptext.locking``), or refuse in one sentence; returns self."""
+        lock_folder(self.path)
+        return self
+
     def reusable(self) -> bool:
         """A run directory whose run never started: no checkpoint, no metrics, no result (only what
         ``create`` writes, e.g. after a kill during loading). A new run may take it over."""
-        names = {p.name for p in self.path.iterdir()} if self.path.is_dir() else set()
+        names = set(visible_entries(self.path))
         return RESOLVED in names and names <= {RESOLVED, PROVENANCE, release.MANIFEST, "audit_not_private"}
 
     def remove_unstarted(self, keep_folder: bool = False) -> None:
@@ -211,6 +212,7 @@ class RunDir:
         if not self.reusable():
             return
         shutil.rmtree(self.path, ignore_errors=True)
+        release_lock(self.path)
         if keep_folder:
             self.path.mkdir(parents=True, exist_ok=True)
 
@@ -249,8 +251,7 @@ class RunDir:
         atomic_write_json(self.path / LEDGER, ledger)
 
     def load_ledger(self) -> dict[str, Any] | None:
-        path = self.path / LEDGER
-        return json.loads(path.read_text()) if path.exists() else None
+        return read_json(self.path / LEDGER, "the privacy ledger")
 
     def save_result(self, result: dict[str, Any], flags: Any = None) -> None:
         """The final summary, then the release manifest of everything the run wrote (``flags``: see
@@ -259,8 +260,7 @@ class RunDir:
         write_manifest(self.path, "run", flags)
 
     def load_result(self) -> dict[str, Any] | None:
-        path = self.path / RESULT
-        return json.loads(path.read_text()) if path.exists() else None
+        return read_json(self.path / RESULT, "the run's result")
 
     def finished_seconds(self) -> float | None:
         """Wall seconds of the invocation that finished the run: the diagnostics' ``finished`` record (runs write
@@ -277,18 +277,26 @@ class RunDir:
         return self.path / CHECKPOINTS
 
     def save_checkpoint(self, state: dict[str, Any], step: int, keep: int = 2) -> Path:
-        """Atomically write ``state`` (model, optimizer, sampler, RNG, ledger...) for ``step``.
+        """Atomically write ``state`` (model, optimizer, sampler, RNG, ledger...) for ``step``, with its SHA-256.
 
-        LATEST is updated only after the checkpoint file is complete, and older
+        LATEST is updated only after the checkpoint file and its checksum are complete, and older
         checkpoints are pruned only after that, so there is always one complete one.
         """
         import torch  # lazily: light commands (`dptext account`, `check`) use runs.py
 
         target = self.checkpoint_dir / f"step-{step:08d}.pt"
-        atomic_write(target, lambda f: torch.save({"step": step, **state}, f), binary=True)
+        writers: list[HashingWriter] = []
+
+        def write(handle: Any) -> None:
+            writers.append(HashingWriter(handle))
+            torch.save({"step": step, **state}, writers[-1])
+
+        atomic_write(target, write, binary=True)
+        atomic_write_text(checksum_path(target), writers[-1].sha.hexdigest() + "\n")
         atomic_write_text(self.checkpoint_dir / LATEST, target.name + "\n")
         for old in sorted(self.checkpoint_dir.glob("step-*.pt"))[:-keep]:
             old.unlink()
+            checksum_path(old).unlink(missing_ok=True)
         write_manifest(self.path)  # fails if the run wrote a file without a release status
         return target
 
@@ -299,12 +307,13 @@ class RunDir:
         target = self.checkpoint_dir / pointer.read_text().strip()
         return target if target.exists() else None
 
-    def load_checkpoint(self, map_location: Any = "cpu") -> dict[str, Any] | None:
+    def load_checkpoint(self, map_location: Any = "cpu", say: Callable[[str], None] | None = None) -> Any:
+        """The newest checkpoint that verifies (``dptext.checkpoint_files``); None for a run without one."""
         import torch  # lazily: light commands (`dptext account`, `check`) use runs.py
 
-        target = self.latest_checkpoint()
-        if target is None:
-            return None
+        pointer = self.checkpoint_dir / LATEST
+        latest = pointer.read_text(encoding="utf-8", errors="replace").strip() if pointer.is_file() else None
         # Checkpoints hold optimizer and RNG state (numpy arrays, tuples), so they are
         # not restricted to tensors; only load run directories you created.
-        return torch.load(target, map_location=map_location, weights_only=False)
+        return load_newest_valid(self.checkpoint_dir, latest,
+                                 lambda path: torch.load(path, map_location=map_location, weights_only=False), say)

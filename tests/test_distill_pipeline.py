@@ -72,6 +72,11 @@ def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, t
     monkeypatch.setattr(synth_module, "code_distribution", functools.partial(synth_module.code_distribution, seed=11))
     straight = synthesize(teacher, tmp_path / "straight", **settings)
     assert straight["n"] == 10 and straight["splits"] == {"train": 7, "validation": 3}
+    with pytest.raises(UserError, match="other values of --n"):  # a finished folder is compared too (issue 46)
+        synthesize(teacher, tmp_path / "straight", **{**settings, "n": 11})
+    with pytest.raises(UserError, match="--top-p must be in"):
+        synthesize(teacher, tmp_path / "new", **settings, top_p=1.5)
+    assert not (tmp_path / "new").exists()
 
     calls = {"n": 0}
     real = chunked_generation.generate_batch

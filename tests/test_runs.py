@@ -107,7 +107,8 @@ def test_interrupted_checkpoint_leaves_the_previous_one_loadable(tmp_path, monke
     monkeypatch.setattr(torch, "save", real_save)
     state = run.load_checkpoint()
     assert state["step"] == 10 and torch.equal(state["weights"], torch.ones(3))
-    assert sorted(p.name for p in run.checkpoint_dir.iterdir()) == [runs.LATEST, "step-00000010.pt"]
+    assert sorted(p.name for p in run.checkpoint_dir.iterdir()) == [runs.LATEST, "step-00000010.pt",
+                                                                        "step-00000010.pt.sha256"]
 
 
 def test_old_checkpoints_are_pruned_after_the_new_one_is_complete(tmp_path):

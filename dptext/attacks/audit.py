@@ -110,6 +110,9 @@ def audit_run(run_dir: str | Path, attacks: tuple[str, ...], references: int = 2
 def run_mia(run_dirs: list[str | Path], attacks: tuple[str, ...], **options: Any) -> list[dict[str, Any]]:
     if not run_dirs:
         raise UserError("Give at least one run directory to audit.")
+    if options.get("max_examples") is not None and options["max_examples"] < 1:  # 0 would mean "all" below
+        raise UserError(f"--max-examples must be at least 1 (leave it out to audit every held-out example), got "
+                        f"{options['max_examples']}.")
     for run_dir in run_dirs:  # every run is checked before the first one is attacked (which takes minutes)
         if RunDir.open(run_dir).load_result() is None:
             raise UserError(f"Run '{run_dir}' has not finished (no result.json); finish it with "

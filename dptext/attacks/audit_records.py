@@ -33,7 +33,14 @@ def read_records(run_path: str | Path, name: str) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"'{run_path}' has no {AUDIT_DIR}/{FILES[name]}; fine-tune with an audit section "
                         "(e.g. audit.holdout_fraction=0.2) to audit a run.")
-    return [json.loads(line) for line in read_lines(path)]
+    rows = []
+    for number, line in enumerate(read_lines(path), start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # cut mid-line (a full disk, a copy interrupted): the audit would be skewed
+            raise UserError(f"{path} is damaged at record {number} (cut short or edited); restore the run's "
+                            f"{AUDIT_DIR} folder from a copy, or fine-tune the run again.") from None
+    return rows
 
 
 def _audit_json(run_path: str | Path, filename: str, missing: str) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def load_model_dir(recipe: Any, task: Any, model_dir: Path) -> Any:
 
 
 def load_trained_run(run_dir: str | Path, device: str = "cpu") -> TrainedRun:
-    run = RunDir.open(run_dir)
+    run = RunDir.open(run_dir).lock()  # the audit writes its report into the run: one writer at a time
     result = run.load_result()
     model_dir = run.path / MODEL_DIR
     if result is None or not model_dir.is_dir():

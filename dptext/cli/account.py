@@ -56,6 +56,12 @@ def account(
 
     out = make_output(json_mode)
     methods = check_methods(method)
+    if delta is not None and 0.1 <= delta < 1:  # (0, 1) itself is checked with the plan
+        raise UserError(f"--delta {delta:g} makes any ε meaningless (δ is the chance of an outright leak: at δ ≥ 0.1 "
+                        "every accountant may answer ε = 0); use a δ below 1/n, e.g. 1e-5.")
+    if prv_eps_error is not None and not 0 < prv_eps_error < float("inf"):
+        raise UserError(f"--prv-eps-error must be a positive width for PRV's ε bound (e.g. 0.05), got "
+                        f"{prv_eps_error:g}.")
     plan_options = [sample_rate, steps, dataset_size, batch_size, epochs]
     if run_dir is not None:
         if eps is not None or sigma is not None or any(v is not None for v in plan_options) or schedule:

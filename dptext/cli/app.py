@@ -18,7 +18,8 @@ import typer
 
 import dptext
 from dptext.allocator import keep_freed_memory
-from dptext.errors import RunInterrupted, UserError
+from dptext.errors import RunInterrupted, UserError, is_no_space
+from dptext.locking import release_all
 
 HELP = """Differentially private language models.
 
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args or os.environ.get("DPTEXT_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
     try:
-        code = build_app()(args=args, prog_name="dptext", standalone_mode=False)
+        try:
+            code = build_app()(args=args, prog_name="dptext", standalone_mode=False)
+        finally:
+            release_all()  # the command's run-folder locks (an in-process call, e.g. a test, may run another)
     except UserError as exc:
         if debug:
             raise
@@ -99,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # a bug, not a user mistake
         if debug:
             raise
+        if is_no_space(exc):  # a full disk outside the run's own writers (a cache, a plot, a library's files)
+            _say_error(f"no space left on the device ({exc}); free space, then run the command again.")
+            sys.exit(2)
         _say_error(
             f"dptext hit an unexpected {type(exc).__name__}: {exc}. "
             "Re-run with --debug for the traceback and please report it."

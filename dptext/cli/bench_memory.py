@@ -38,8 +38,8 @@ def bench_memory(
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = [m for m in chosen if m not in bench.MODES]
-    if unknown:
-        raise UserError(f"Unknown mode(s) {', '.join(unknown)}; choose from {', '.join(bench.MODES)}.")
+    if unknown or not chosen:
+        raise UserError(f"Unknown mode(s) {', '.join(unknown) or repr(modes)}; choose from {', '.join(bench.MODES)}.")
     if precision not in ("auto", "fp32", "bf16", "fp16"):
         raise UserError(f"Unknown precision '{precision}'; choose auto, fp32, bf16 or fp16.")
     if seq_len < 2 or batch_size < 1 or steps < 1 or warmup < 0 or rounds < 1:
@@ -48,6 +48,8 @@ def bench_memory(
 
     check_model_name(model, key="MODEL")  # an unknown name: one sentence now, not a failure per mode later
     out_dir = out or Path("runs") / f"bench-memory-{Path(model).name}-T{seq_len}-B{batch_size}"
+    if out_dir.exists() and not out_dir.is_dir():  # found before the benchmark runs, not after
+        raise UserError(f"--out '{out_dir}' is a file, not a folder; choose a folder for bench.json and bench.png.")
     output = make_output(json_mode)
     with output.progress(len(chosen) * rounds, "bench-memory") as progress:
         report = bench.run(model, seq_len, batch_size, device, steps, warmup, chosen, precision, max_batch, rounds,

@@ -106,6 +106,8 @@ def refuse_bad_options(prompt, lam, eps, public_model, top_k, top_p, greedy, num
     if data is None:
         if not prompt:
             raise UserError("Give --prompt TEXT to decode, or --data FILE --sweep 0.1:1.0:0.1 for a perplexity sweep.")
+        if not all(p.strip() for p in prompt):  # nothing to continue: the model would get no token at all
+            raise UserError("--prompt is empty; give the text to continue (e.g. --prompt 'The food was').")
         if lam is None and eps is None:
             raise UserError("Choose the privacy level with --lambda (e.g. 0.8) or --eps (e.g. 50).")
         if sweep is not None or plot is not None:

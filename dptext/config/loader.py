@@ -15,6 +15,7 @@ from dptext.config.recipe import Recipe
 from dptext.config.schema import _is_optional, _type_name, all_keys
 from dptext.constraints import check_relations, check_value
 from dptext.errors import UserError
+from dptext.textfiles import check_utf8
 
 
 def _unknown_key_error(key: str, cls: type, prefix: str) -> UserError:
@@ -114,8 +115,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise UserError(f"Recipe '{path}' is a folder; pass a recipe file (shipped recipes are in recipes/).")
         if not path.is_file():
             raise UserError(f"Recipe file '{path}' does not exist; check the path (shipped recipes are in recipes/).")
+        check_utf8(path, "recipe")  # a Latin-1 byte, UTF-16, gzip: named in one sentence, never a traceback
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from dptext.errors import UserError
+from dptext.textfiles import relative_note
 
 
 def existing_path(path: Optional[str], dataset: str) -> Path:
@@ -15,7 +16,8 @@ def existing_path(path: Optional[str], dataset: str) -> Path:
         raise UserError(f"The {dataset} reader needs local files; pass data.path= (or --path) pointing to them.")
     resolved = Path(path).expanduser()
     if not resolved.exists():
-        raise UserError(f"The {dataset} data path {resolved} does not exist; check data.path (or --path).")
+        raise UserError(f"The {dataset} data path {resolved} does not exist{relative_note(resolved)}; check "
+                        "data.path (or --path).")
     return resolved
 
 

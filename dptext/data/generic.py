@@ -22,6 +22,7 @@ from dptext.data.files import existing_path
 from dptext.data.splits import canonical_split, seeded_split, user_split
 from dptext.data.users import USER, user_id
 from dptext.errors import UserError
+from dptext.textfiles import undecodable, unreadable
 
 SPLIT_FILE_STEMS = {"train": ("train",), "validation": ("validation", "dev", "valid", "val"), "test": ("test",)}
 EXTENSIONS = {"jsonl": (".jsonl", ".json"), "csv": (".csv",), "tsv": (".tsv",)}
@@ -29,7 +30,7 @@ EXTENSIONS = {"jsonl": (".jsonl", ".json"), "csv": (".csv",), "tsv": (".tsv",)}
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -46,8 +47,12 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _read_delimited(path: Path, delimiter: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8", newline="") as handle:
+    with open(path, encoding="utf-8-sig", newline="") as handle:  # -sig: a spreadsheet's byte-order mark
         reader = csv.DictReader(handle, delimiter=delimiter)
+        repeated = sorted({name for name in reader.fieldnames or [] if (reader.fieldnames or []).count(name) > 1})
+        if repeated:  # csv keeps the last of two same-named columns without a word
+            raise UserError(f"{path}'s header names the column(s) {', '.join(map(repr, repeated))} more than once; "
+                            "give every column its own name.")
         rows = []
         for line_number, row in enumerate(reader, start=2):
             if None in row:
@@ -98,14 +103,16 @@ def _read_json_array(path: Path) -> list[dict[str, Any]]:
 
 def read_table_file(path: Path, text_column: Optional[str] = None, label_column: Optional[str] = None,
                     user_column: Optional[str] = None):
-    if path.suffix == ".jsonl":
-        rows = _read_jsonl(path)
-    elif path.suffix == ".json":
-        rows = _read_json_array(path)
-    elif path.suffix in (".csv", ".tsv"):
-        rows = _read_delimited(path, "\t" if path.suffix == ".tsv" else ",")
-    else:
+    readers = {".jsonl": _read_jsonl, ".json": _read_json_array, ".csv": lambda p: _read_delimited(p, ","),
+               ".tsv": lambda p: _read_delimited(p, "\t")}
+    if path.suffix not in readers:
         raise UserError(f"{path} is not a .jsonl, .csv or .tsv file; dptext reads generic data only in those formats.")
+    try:
+        rows = readers[path.suffix](path)
+    except UnicodeDecodeError:  # gzip named .csv, a Latin-1 byte, UTF-16: what it is, or the line and byte
+        raise undecodable(path, "data file") from None
+    except OSError as exc:  # no permission, a folder named .csv, a symlink loop
+        raise unreadable(path, "data file", exc) from None
     return _records(rows, path, text_column, label_column, user_column)
 
 

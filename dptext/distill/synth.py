@@ -42,6 +42,7 @@ from dptext.distill.chunked_generation import CHUNKS, completed_chunks, generate
 from dptext.distill.codes import CodeDistribution, code_distribution, compose_basic, sample_codes, total_variation
 from dptext.errors import UserError
 from dptext.finetune.setup import pick_device
+from dptext.locking import check_unlocked, lock_folder
 from dptext.models import load_model
 from dptext.output import Output
 from dptext.provenance import provenance
@@ -163,6 +164,15 @@ def stored_plan(out: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
     return plan
 
 
+def check_out(out: Path, top_p: float) -> None:
+    """Refused before the teacher loads: an --out that is a file, a top-p outside (0, 1], another writer."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out '{out}' is a file, not a folder; choose a folder path for the synthetic data.")
+    if not (0 < top_p <= 1):
+        raise UserError(f"--top-p must be in (0, 1] (the share of probability mass sampled from), got {top_p}.")
+    check_unlocked(out, "synthetic-data folder")
+
+
 # --------------------------------------------------------------------------- generation
 
 # --------------------------------------------------------------------------- summary
@@ -217,14 +227,17 @@ def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: 
     if not 0 <= validation_fraction < 1:
         raise UserError(f"--validation-fraction must be in [0, 1), got {validation_fraction}.")
     out = Path(out)
-    if (out / PROVENANCE).exists():
-        output.info(f"{out} is complete; its summary is below.")
-        return json.loads((out / SUMMARY).read_text())
+    check_out(out, top_p)
     info = teacher_info(teacher)
     settings = {"top_k": top_k, "top_p": top_p, "temperature": temperature, "max_new_tokens": max_new_tokens,
                 "batch_size": batch_size, "validation_fraction": validation_fraction}
     code_settings = {"mechanism": code_mechanism, "epsilon": code_epsilon, "delta": code_delta, "domain": code_domain}
+    # a finished folder too is compared first: another --n or teacher is refused, never answered "complete"
     plan = stored_plan(out, plan_identity(info, n, seed, settings, code_settings))
+    if (out / PROVENANCE).exists():
+        output.info(f"{out} is complete; its summary is below.")
+        return json.loads((out / SUMMARY).read_text())
+    lock_folder(out, "synthetic-data folder")
     new = plan is None
     if new:  # in memory first: a refused code domain leaves nothing on disk
         plan = make_plan(info, n, settings, code_settings, validation_fraction, seed)

@@ -119,7 +119,12 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     run this way); keys of its ``training.info`` override those of the result (e.g. ``privacy``)."""
     output = output or Output(quiet=True)
     if resume is not None:
+        if out is not None and Path(out).resolve() != Path(resume).resolve():
+            raise UserError(f"--resume continues the run in '{resume}' where it is; drop --out '{out}' (to train "
+                            "into another folder, start a new run there).")
         run = RunDir.open(resume)
+        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 alone writes the run directory
+            run.lock()
         finished = run.load_result()
         if finished is not None:
             if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports it
@@ -149,11 +154,13 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         if resume is None and dist.is_writer:
             run.remove_unstarted(keep_folder=existed)
         raise
-    state = run.load_checkpoint() if resume is not None else None
+    state = run.load_checkpoint(say=output.warn) if resume is not None else None
     if training.users is not None and dist.is_writer:  # release.json says what evaluation holds (a public rule)
         write_manifest(run.path, unit={**recipe_unit(recipe), "evaluation_users": evaluation_users(recipe)})
         if state is None:  # exact counts of users and records: not in covered files
             run.log_diagnostics(training_counts(training.users))
+    if training.split_copies and resume is None and dist.is_writer:
+        warn_split_copies(training, run, output)
     if state is not None:
         check_same_account(training, state)
     training.selection = model_selection.make_selection(recipe, training.task, dist.active)
@@ -203,6 +210,16 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     run.save_result(result, release_flags(training))
     release()
     return {**result, "seconds": seconds}
+
+
+def warn_split_copies(training: Any, run: RunDir, output: Any) -> None:
+    """Duplicated rows on both sides of the split: said once, and kept with the not-covered diagnostics (the count
+    is an un-noised statistic of the private data)."""
+    split, copies = training.recipe.eval.split, training.split_copies
+    output.warn(f"{copies} of the {len(training.final_records)} {split} records have a word-for-word copy in the "
+                f"training split (duplicated rows), so the {split} metrics overstate how the model does on new "
+                "text; deduplicate the data (this count is not covered by ε; diagnostics_not_private.jsonl keeps it).")
+    run.log_diagnostics({"event": "split_copies", "step": 0, "split": split, "copies": copies})
 
 
 def _announce(training: Any, output: Any) -> None:

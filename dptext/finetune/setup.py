@@ -27,7 +27,7 @@ from dptext.finetune.sharding import check_sharding, mark_verified, prove_then_s
 from dptext.finetune.task_probe import verify_with_task
 from dptext.data.users import user_groups
 from dptext.finetune.user_level import check_user_level
-from dptext.finetune.validate import check_records
+from dptext.finetune.validate import check_records, copies_in_training
 from dptext.models import load_tokenizer
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.sampling.sampler import make_sampler
@@ -62,6 +62,7 @@ class Training:
     mf_strategy: Any = None  # privacy.mechanism=banded_mf: the strategy's coefficients (mf_strategy.json)
     selection: Any = None  # dptext.finetune.selection.Selection when the recipe selects on validation
     users: Any = None  # privacy.unit=user: the example indices of each user (the privacy units), else None
+    split_copies: int = 0  # evaluation records with a word-for-word copy in the training split (not covered)
 
     @property
     def private(self) -> bool:
@@ -164,7 +165,7 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
                         final_records=final, plan=plan, noise_multiplier=None,
                         autocast_dtype=autocast_dtype(recipe.train.precision, device),
                         info={**trainable_summary(model), **({"dataset_size": len(train)} if users is None else {})},
-                        audit=audit, dist=dist, users=users)
+                        audit=audit, dist=dist, users=users, split_copies=copies_in_training(train, final))
     if privacy.method != "edp_sgd" and privacy.noise_decay != "none":
         raise UserError("privacy.noise_decay applies to privacy.method=edp_sgd; set it to none for dp_sgd.")
     if privacy.enabled:

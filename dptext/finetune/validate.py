@@ -19,7 +19,9 @@ from dptext.errors import UserError
 from dptext.data.users import user_groups
 from dptext.finetune.user_level import check_user_level, user_level
 from dptext.model_check import check_model_name
-from dptext.runs import RunDir
+from dptext.locking import check_unlocked
+from dptext.textfiles import relative_note
+from dptext.runs import RunDir, visible_entries
 from dptext.tasks.label_sets import check_records as check_declared
 from dptext.tasks.label_sets import class_index, declared_classes, declared_intents_and_tags, other_index
 
@@ -37,7 +39,8 @@ def check_output_dir(out: str | Path | None) -> None:
         out = Path(out)
         if out.exists() and not out.is_dir():
             raise UserError(f"--out '{out}' is a file, not a folder; choose a folder path for the run directory.")
-        if out.is_dir() and any(out.iterdir()) and not RunDir(out).reusable():
+        check_unlocked(out)
+        if visible_entries(out) and not RunDir(out).reusable():
             raise UserError(f"Run directory '{out}' already exists and is not empty; "
                             f"pass --resume {out} to continue it or choose another --out.")
     existing = out
@@ -52,8 +55,8 @@ def check_data(recipe: Any) -> None:
     data = recipe.data
     info = dataset_info(data.dataset)  # an unknown reader is named, with the closest one
     if data.path and not Path(data.path).exists():
-        raise UserError(f"data.path '{data.path}' does not exist; pass an existing file or folder "
-                        f"for the {info.name} reader.")
+        raise UserError(f"data.path '{data.path}' does not exist{relative_note(data.path)}; pass an existing "
+                        f"file or folder for the {info.name} reader.")
     task = recipe.task.type
     if task in LABELLED_TASKS and info.name in UNLABELLED_DATASETS:
         raise UserError(f"task.type={task} needs a class label per record but data.dataset={info.name} has none; "
@@ -112,6 +115,13 @@ def check_records(recipe: Any, splits: dict[str, list]) -> None:
     for split, records in splits.items():
         for known, what, key in checks:
             check_declared(records, known, mapped, what, key, split, recipe.data.path)
+
+
+def copies_in_training(train: list, held_out: list) -> int:
+    """How many held-out records have a word-for-word copy of their text in the training split: duplicated rows
+    land on both sides of a seeded split, and the held-out metrics then measure memory, not new text."""
+    seen = {r["text"] for r in train if isinstance(r, dict) and isinstance(r.get("text"), str)}
+    return sum(1 for r in held_out if isinstance(r, dict) and isinstance(r.get("text"), str) and r["text"] in seen)
 
 
 def validate_local_data(recipe: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Any
 
@@ -88,11 +89,23 @@ def load_model(name: str, head: str = "causal_lm", num_labels: int | None = None
     except ValueError as exc:  # e.g. an encoder asked for a causal-LM head
         raise UserError(f"Model '{name}' has no {head.replace('_', ' ')} architecture ({exc}); "
                         "pick a model made for this task.") from exc
+    except Exception as exc:
+        if _damaged_weights(exc):
+            raise UserError(f"Model '{name}': its weights file is damaged or incomplete ({exc}); copy or save the "
+                            "model folder again (a run's model/ is rewritten by `dptext finetune --resume`).") from exc
+        raise
     if head == "masked_lm" and _missing_mlm_head(info.get("missing_keys", [])):
         raise UserError(f"Model '{name}' has no pretrained masked-LM head (its predictions would come from a "
                         "random layer); use a model with one, such as roberta-base or bert-base-uncased "
                         "(for fine-tuning, task.type=classification works with any encoder).")
     return model.eval(), tokenizer
+
+
+def _damaged_weights(exc: BaseException) -> bool:
+    """A weights file cut short or overwritten: safetensors' header error, or torch's unpickler / zip reader."""
+    text = str(exc)
+    return (type(exc).__name__ == "SafetensorError" or isinstance(exc, (EOFError, pickle.UnpicklingError))
+            or isinstance(exc, RuntimeError) and ("PytorchStreamReader" in text or "zip archive" in text))
 
 
 def _missing_mlm_head(missing_keys: list[str]) -> bool:

@@ -107,12 +107,31 @@ def model_source(name: str) -> str:
         return str(smollm2_folder())
     if name == "minilm-l6":
         return str(minilm_folder())
+    if name.startswith("~"):
+        name = os.path.expanduser(name)
     if os.path.isdir(name):
         return name
+    if os.path.lexists(name):  # there, but no folder: say what it is rather than "does not exist"
+        raise UserError(f"Model '{name}' is {_what_is(name)}; pass a model folder (one with config.json, such as "
+                        "RUN_DIR/model), a hub name, or an offline alias "
+                        f"({', '.join(list(OFFLINE_MODELS) + list(TINY_MODELS))}).")
     if name.startswith((".", "/", "~")) or os.sep in name.rstrip(os.sep) and name.count("/") > 1:
         raise UserError(f"Model folder '{name}' does not exist; pass an existing folder, a hub name, or an "
                         f"offline alias ({', '.join(list(OFFLINE_MODELS) + list(TINY_MODELS))}).")
     return name
+
+
+def _what_is(path: str) -> str:
+    """What a path that is not a folder is, for the sentence refusing it as a model."""
+    if not os.path.exists(path):
+        return "a symbolic link that leads nowhere (a missing target or a loop)"
+    suffix = Path(path).suffix.lower()
+    if suffix == ".gguf":
+        return ("a GGUF file (llama.cpp weights), which dptext does not train; use the transformers model it "
+                "was converted from (for SmolLM2 the alias smollm2-135m)")
+    if suffix in (".csv", ".tsv", ".jsonl", ".json", ".txt", ".parquet"):
+        return f"a {suffix[1:]} data file, not a model (training data goes in data.path)"
+    return "a file, not a model folder"
 
 
 def describe_models() -> list[dict[str, str]]:
