@@ -2,7 +2,8 @@
 PYTHON      ?= python3
 VENV        ?= .venv
 BIN         := $(VENV)/bin
-SHARED_DATA ?= ../shared/data
+# The folder of the public datasets (docs/finetuning.md, "Datasets"): $DPTEXT_DATA, else this repository's CI copy.
+SHARED_DATA ?= $(or $(DPTEXT_DATA),../shared/data)
 STAMP       := $(VENV)/.dptext-installed
 
 E2E_DATA    ?= $(SHARED_DATA)/e2e_nlg
