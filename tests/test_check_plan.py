@@ -76,16 +76,17 @@ def test_a_pinned_sigma_is_shown_as_pinned_and_headers_print_no_none(tmp_path, c
     assert plan["noise_multiplier"] == 1.5 and "pinned" in plan["sigma_source"]
     code, out, err = run_cli(["finetune", *args, "--out", str(tmp_path / "run")], capsys)
     assert code == 0, err
-    assert "None" not in err and "pinned by privacy.noise_multiplier" in err  # was "target ε=None"
+    announced = next((line for line in (out + err).splitlines() if "tiny-bert on " in line), out + err)
+    assert "None" not in announced and "σ pinned by privacy.noise_multiplier, ε per example" in announced
 
 
 def refused_alike(args: list[str], capsys, tmp_path: Path, fragment: str) -> None:
     """check and finetune refuse with the same sentence, and finetune leaves no run directory behind."""
     code, _, err = run_cli(["check", *args], capsys)
     assert code == 2 and fragment in err, err
-    code, _, err_run = run_cli(["finetune", *args, "--out", str(tmp_path / "run")], capsys)
+    code, out_run, err_run = run_cli(["finetune", *args, "--out", str(tmp_path / "run")], capsys)
     assert code == 2 and fragment in err_run, err_run
-    assert "Run directory" not in err_run and not (tmp_path / "run").exists()
+    assert "Run directory" not in out_run + err_run and not (tmp_path / "run").exists()
 
 
 def test_an_empty_recipe_is_refused(tmp_path, capsys):

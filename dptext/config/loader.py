@@ -1,119 +1,142 @@
-"""``BandedMFEngine``: the privacy engine with banded matrix-factorization noise (SPEC §12).
-
-Everything the DP-SGD engine does stays: exact per-example clipping, its start-up proof and per-step checks, the
-secret noise stream, division by the expected batch size. Two things change, and each is tied to the accounting:
-
-* the **noise**: step t's clipped sum gets w_t = (C⁻¹Z)_t (``privacy/noise/correlated.py``) for the banded
-  Toeplitz strategy C, instead of a fresh z_t;
-* the **sampler**: cyclic balls-in-bins batches (``privacy/sampling/cyclic.py``): each example in one of P bins,
-  step t trains bin t mod P, so every example takes part in at most k = ⌈S/P⌉ steps, P apart.
-
-ε is that of one Gaussian mechanism with noise multiplier σ / sens(C), sens computed here from the coefficients
-for the sampler's (k, P) schema (``accounting/banded_mf.py``), never taken from the caller. No amplification by
-sampling is claimed, so Poisson sampling is refused (its amplified accounting for banded MF is not implemented),
-and so is a band wider than the separation P (its sensitivity is not proven) and a step beyond the S planned.
-"""
+"""Strict loading: YAML or plain data to a checked ``Recipe`` (unknown keys, types, bounds, relations), and back."""
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Literal
 
-import torch
-from torch import nn
+import yaml
 
-from dptext.accounting import StepRun, compute_epsilon
-from dptext.accounting.banded_mf import Participation, toeplitz_sensitivity
+from dptext.config.overrides import apply_overrides
+from dptext.config.recipe import Recipe
+from dptext.config.schema import _is_optional, _type_name, all_keys
+from dptext.config.strict_yaml import DuplicateKey, load_unique
+from dptext.constraints import check_relations, check_value
 from dptext.errors import UserError
-from dptext.privacy.engine import PrivacyEngine
-from dptext.privacy.noise.correlated import CorrelatedNoise
-from dptext.privacy.noise.randomness import randomness_note
-from dptext.privacy.sampling.cyclic import CyclicBinSampler
-
-MECHANISM = "banded_mf"
-POISSON_REFUSED = ("Banded MF noise is accounted here without amplification by sampling, for cyclic batches with a "
-                   "minimum separation, and Poisson batches break that schema; use sampling='cyclic' with banded_mf, "
-                   "or mechanism dp_sgd for Poisson sampling.")
 
 
-class BandedMFEngine(PrivacyEngine):
-    """DP training with banded MF noise: ``coefficients`` (c_0, …, c_{b−1}) of C, ``bins`` P ≥ b, ``steps`` S.
+def _unknown_key_error(key: str, cls: type, prefix: str) -> UserError:
+    valid = all_keys(Recipe)
+    full = prefix + key
+    close = difflib.get_close_matches(full, valid, n=1, cutoff=0.5)
+    if not close:  # a misspelt leaf under the right section, e.g. 'privacy.epsilon'
+        leaves = [k for k in valid if k.rsplit(".", 1)[-1] == key or key in k]
+        close = leaves[:1]
+    hint = f"; did you mean '{close[0]}'?" if close else "; valid keys are listed by `dptext check --schema`."
+    return UserError(f"Unknown recipe key '{full}'{hint}")
 
-    ``noise_multiplier`` σ is the std of Z's entries over the clipping norm; ε is that of a Gaussian mechanism with
-    multiplier σ / sens(C) (``strategy_sensitivity``). Strategies from ``accounting.mf_strategy.optimize_banded``
-    are scaled to sensitivity 1, so σ is then the Gaussian mechanism's own multiplier."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
-                 max_grad_norm: float, dataset_size: int, steps: int, bins: int, coefficients: list[float],
-                 sampling: str = "cyclic", ledger: Any = None, distributed: Any = None, **options: Any):
-        if sampling != "cyclic":
-            raise UserError(POISSON_REFUSED)
-        if distributed is not None and distributed.active:
-            raise UserError("Banded MF noise runs in one process for now (its ring buffers are not sharded); "
-                            "train it without torchrun, or use mechanism dp_sgd.")
-        coefficients = [float(c) for c in coefficients]
-        if isinstance(bins, bool) or not isinstance(bins, int) or not len(coefficients) <= bins <= dataset_size:
-            raise UserError(f"The cyclic separation P (bins) must be a whole number from the number of bands "
-                            f"({len(coefficients)}) to the dataset size ({dataset_size}), got {bins!r}; a band "
-                            "wider than the separation has no proven sensitivity here.")
-        self.schema = Participation(math.ceil(steps / bins), bins)
-        self.strategy_sensitivity = toeplitz_sensitivity(coefficients, steps, self.schema)
-        self.coefficients, self.bins, self.planned_steps = coefficients, bins, steps
-        super().__init__(model, optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                         dataset_size=dataset_size, expected_batch_size=dataset_size / bins, ledger=ledger,
-                         **options)
-        self._wrap_noise()
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    optional, inner = _is_optional(tp)
+    if value is None or (value == "" and inner is not str):
+        if optional:
+            return None
+        raise UserError(f"Recipe key '{key}' cannot be empty; give a {_type_name(tp)}.")
+    if typing.get_origin(inner) is Literal:
+        choices = typing.get_args(inner)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(f"Recipe key '{key}' is '{value}' but must be {_type_name(inner)}{hint}.")
+        return value
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in {"true", "false", "yes", "no"}:
+            return value.lower() in {"true", "yes"}
+    elif inner is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif inner is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads '1e-5' as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif inner is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif inner is list or typing.get_origin(inner) is list:
+        if isinstance(value, list):
+            return value
+    elif inner is dict or typing.get_origin(inner) is dict:
+        if isinstance(value, dict):
+            return value
+    else:  # pragma: no cover - a schema field of a type this loader does not know
+        raise TypeError(f"unsupported schema type {tp!r} for {key}")
+    raise UserError(f"Recipe key '{key}' is {value!r} but must be {_type_name(tp)}.")
 
-    def _wrap_noise(self) -> None:
-        source = self.dp_optimizer.noise
-        source = source.source if isinstance(source, CorrelatedNoise) else source
-        self.dp_optimizer.noise = CorrelatedNoise(source, self.coefficients, self.params)
 
-    def replan(self, verify: bool = True, make_batch=None, loss_fn=None) -> None:
-        if self.steps:
-            raise UserError("The trainable set cannot change during a banded MF run (the noise of later steps "
-                            "depends on the earlier steps' noise per parameter); re-plan before the first step.")
-        super().replan(verify, make_batch, loss_fn)
-        self._wrap_noise()
+def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    """Build a schema dataclass from plain data, strictly."""
+    if not isinstance(data, dict):
+        raise UserError(f"Recipe section '{prefix.rstrip('.') or 'top level'}' must be a mapping of keys to values.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise _unknown_key_error(str(key), cls, prefix)
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value if value is not None else {}, prefix + key + ".")
+            continue
+        kwargs[key] = _coerce(value, tp, prefix + key)
+        if kwargs[key] == "" and fields[key].default not in ("", None):  # a name, a path: empty means nothing
+            raise UserError(f"Recipe key '{prefix + key}' cannot be empty; give a {_type_name(tp)} "
+                            f"(default: {fields[key].default}).")
+        check_value(prefix + key, kwargs[key], fields[key].metadata)
+    return cls(**kwargs)
 
-    def step(self, per_example_loss=None) -> None:
-        if self.steps >= self.planned_steps:
-            raise UserError(f"The banded MF strategy was accounted for {self.planned_steps} steps and they are "
-                            "done; a further step is not covered by its sensitivity. Plan more steps.")
-        super().step(per_example_loss)
 
-    def sampler(self, steps: int | None = None) -> CyclicBinSampler:
-        """The cyclic bins this engine is accounted for, from the root's secret "sampler" child."""
-        if steps is not None and steps != self.planned_steps:
-            raise UserError(f"The banded MF strategy was accounted for {self.planned_steps} steps, not {steps}.")
-        return CyclicBinSampler(self.dataset_size, self.bins, self.planned_steps, self.root.generator("sampler"))
+def given_keys(data: Any, prefix: str = "") -> set[str]:
+    """The dotted keys a recipe's raw data sets (sections recursed), e.g. {'privacy.target_epsilon'}."""
+    keys: set[str] = set()
+    for key, value in (data or {}).items() if isinstance(data, dict) else []:
+        keys.add(prefix + str(key))
+        if isinstance(value, dict):
+            keys |= given_keys(value, prefix + str(key) + ".")
+    return keys
 
-    def user_sampler(self, *args: Any, **kwargs: Any):
-        raise UserError("User-level DP with banded MF noise is not accounted yet; use privacy.unit=example.")
 
-    def epsilon(self, delta: float, accountant: str = "rdp") -> float:
-        """ε of the whole planned run (the strategy is fixed for all S steps) by ``accountant`` applied to the one
-        Gaussian mechanism it is; 0 before the first step."""
-        if not self.steps:
-            return 0.0
-        runs = [StepRun(1.0, self.noise_multiplier / self.strategy_sensitivity, 1)]
-        result = compute_epsilon(accountant, runs, delta)
-        return result.epsilon if result.approximate else result.guaranteed
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
 
-    def accounting(self) -> dict[str, Any]:
-        return {"mechanism": MECHANISM, "noise_multiplier": self.noise_multiplier, "steps": self.steps,
-                "planned_steps": self.planned_steps, "strategy_sensitivity": self.strategy_sensitivity,
-                "sampling": "cyclic", "matches_accounting": True}
 
-    def mechanism(self) -> dict[str, Any]:
-        return {"method": MECHANISM, "unit": "example",
-                "guarantee": "example-level (ε, δ); one Gaussian mechanism with noise multiplier σ/sens(C), "
-                             "no amplification by sampling",
-                "sensitivity": self.max_grad_norm, "strategy_sensitivity": self.strategy_sensitivity,
-                "noise_multiplier": self.noise_multiplier, "coefficients": list(self.coefficients),
-                "bands": len(self.coefficients), "planned_steps": self.planned_steps,
-                "separation": self.schema.separation, "max_participations": self.schema.max_participations,
-                "noise": "(C⁻¹Z)_t, Z i.i.d. N(0, σ²C²), once per coordinate per step; b − 1 buffers",
-                "sampling": "cyclic balls-in-bins (min separation P, at most ⌈S/P⌉ participations)",
-                "processes": 1, "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
-                "clipping_verified": self.verified}
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe (or start from the defaults when path is None), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"Recipe file '{path}' does not exist; check the path (shipped recipes are in recipes/).")
+        try:
+            data = load_unique(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise UserError(f"Recipe '{path}' is not valid YAML{where}; fix the syntax and retry.") from exc
+        except DuplicateKey as exc:
+            raise UserError(f"Recipe '{path}' gives '{exc.key}' twice (lines {exc.first_line} and {exc.line}) and "
+                            "YAML would silently keep only the last; merge them into one.") from None
+        if data is None or data == {}:  # the defaults alone train nothing anyone chose
+            raise UserError(f"Recipe '{path}' is empty; start from a shipped one (e.g. recipes/quickstart.yaml) "
+                            "and change what you need.")
+        if not isinstance(data, dict):
+            raise UserError(f"Recipe '{path}' must be a YAML mapping of sections (model:, data:, ...).")
+        data.setdefault("name", path.stem)
+    data = apply_overrides(data, overrides or [])
+    recipe = from_dict(Recipe, data)
+    check_relations(recipe, given_keys(data))
+    return recipe
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(to_dict(recipe), sort_keys=False, allow_unicode=True)
