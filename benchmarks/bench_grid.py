@@ -115,7 +115,7 @@ def render_table(rows: list[dict]) -> str:
 
 
 def rewrite_readme(readme: Path, rows: list[dict], source: Path) -> None:
-    """Put the table of ``rows`` between the grid markers of docs/performance.md (the lead regenerates it after a full run)."""
+    """Put the table of ``rows`` between the grid markers of docs/performance.md (regenerated after a full run)."""
     text = readme.read_text()
     start, end = text.index(BEGIN), text.index(END)
     try:

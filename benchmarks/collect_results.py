@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("collect", help="write the JSON files from run directories, then the docs/results.md block").add_argument(
+    sub.add_parser("collect", help="write the JSON files from run directories, then docs/results.md").add_argument(
         "runs", type=Path, nargs="?", default=Path("/work/results-runs"))
     sub.add_parser("readme", help="rewrite the docs/results.md block from the JSON files")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """The user-level DP demonstration (issue 24): Amazon reviews at user-level ε = 8, example-level ε = 8, non-private.
 
     nohup python benchmarks/user_level.py run >/dev/null 2>&1 &   # the three runs, one after another, resumably
-    python benchmarks/user_level.py collect                      # benchmarks/results/user_level.json + docs/results.md block
+    python benchmarks/user_level.py collect                      # results/user_level.json + docs/results.md block
     python benchmarks/user_level.py readme                       # the docs/results.md block from the JSON file only
 
 ``run`` is ``results_queue.py`` on JOBS (each run under ``nice -n 19``; a started run continues with

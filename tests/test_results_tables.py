@@ -1,4 +1,4 @@
-"""benchmarks/collect_results.py and results_tables.py: the tables of docs/results.md are what benchmarks/results/ says."""
+"""benchmarks/collect_results.py and results_tables.py: docs/results.md's tables are what benchmarks/results/ says."""
 
 from __future__ import annotations
 

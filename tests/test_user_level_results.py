@@ -1,5 +1,5 @@
-"""benchmarks/user_level.py: the user-level block of docs/results.md is what benchmarks/results/user_level.json says, and a
-setting that has not finished shows as running, never as a number."""
+"""benchmarks/user_level.py: the user-level block of docs/results.md is what benchmarks/results/user_level.json
+says, and a setting that has not finished shows as running, never as a number."""
 
 from __future__ import annotations
 

@@ -125,7 +125,8 @@ def recipe_plan(recipe: Any, train_size: Callable[[Any], int] | None = None, tar
     found: dict[str, Any] = {**plan.__dict__, "expected_batch_size": plan.sample_rate * plan.dataset_size,
                              "accountant": privacy.accountant, "epsilon": None, "notes": []}
     if pinned and privacy.noise_multiplier is not None:
-        return {**found, "noise_multiplier": privacy.noise_multiplier, "sigma_source": "pinned (privacy.noise_multiplier)"}
+        return {**found, "noise_multiplier": privacy.noise_multiplier,
+                "sigma_source": "pinned (privacy.noise_multiplier)"}
     edp = privacy.method == "edp_sgd"
     target = target_epsilon if target_epsilon is not None else privacy.target_epsilon
     calibration = calibrate_noise_multiplier(target, plan.delta, plan.sample_rate, plan.steps,
