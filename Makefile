@@ -2,7 +2,8 @@
 PYTHON      ?= python3
 VENV        ?= .venv
 BIN         := $(VENV)/bin
-SHARED_DATA ?= ../shared/data
+# The folder of the public datasets (docs/finetuning.md, "Datasets"): $DPTEXT_DATA, else this repository's CI copy.
+SHARED_DATA ?= $(or $(DPTEXT_DATA),../shared/data)
 STAMP       := $(VENV)/.dptext-installed
 
 E2E_DATA    ?= $(SHARED_DATA)/e2e_nlg
@@ -65,7 +66,7 @@ bench-nlu: setup
 	$(BIN)/python benchmarks/bench_nlu_timing.py --data $(SHARED_DATA) \
 	    --ser-runs $(RUNS)/atis-nonprivate $(RUNS)/atis-dpsgd $(RUNS)/atis-edp $(RUNS)/snips-nonprivate $(RUNS)/snips-dpsgd $(RUNS)/snips-edp
 
-# Privacy auditing demo (README "Privacy auditing"): a small byte-level GPT-2 from scratch on an E2E slice with
+# Privacy auditing demo (docs/auditing.md): a small byte-level GPT-2 from scratch on an E2E slice with
 # canaries, non-private / ε=8 / ε=1, loss attack + canary exposure for all, shadow + LiRA for the non-private run.
 audit-demo: setup
 	$(BIN)/python benchmarks/audit_demo.py --out $(RUNS)/audit-demo --data $(E2E_DATA) --hidden 96 --layers 2 \

@@ -1,4 +1,4 @@
-"""The README's privacy-auditing demonstration (`make audit-demo`).
+"""The privacy-auditing demonstration of docs/auditing.md (`make audit-demo`).
 
 Builds a small byte-level GPT-2 from scratch (a saved folder; SmolLM2-135M is too slow to train six times on a
 shared 2-core CPU), fine-tunes recipes/audit-e2e.yaml non-privately and at ε = 8 and ε = 1 (each with the

@@ -3,7 +3,7 @@
     python benchmarks/bench_grid.py                       # the full grid → benchmarks/results/bench_cpu_grid.json
     python benchmarks/bench_grid.py --seq-lens 32,64 --batch-sizes 8 --out slice.json
     python benchmarks/bench_grid.py --table benchmarks/results/bench_cpu_grid.json   # print the table
-    python benchmarks/bench_grid.py --readme benchmarks/results/bench_cpu_grid.json  # put it into README.md
+    python benchmarks/bench_grid.py --readme benchmarks/results/bench_cpu_grid.json  # put it into docs/performance.md
 
 Each cell (model, T, B) runs its modes round-robin, every mode in a fresh subprocess (dptext.bench.measure_mode:
 the median step time with the allocator as ``dptext finetune`` sets it, dptext.allocator; the peak RSS of a second
@@ -115,7 +115,7 @@ def render_table(rows: list[dict]) -> str:
 
 
 def rewrite_readme(readme: Path, rows: list[dict], source: Path) -> None:
-    """Put the table of ``rows`` between the README's grid markers (the lead regenerates it after a full run)."""
+    """Put the table of ``rows`` between the grid markers of docs/performance.md (regenerated after a full run)."""
     text = readme.read_text()
     start, end = text.index(BEGIN), text.index(END)
     try:
@@ -172,13 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench_cpu_grid.png")
     parser.add_argument("--table", type=Path, help="only print the Markdown table of this grid file")
-    parser.add_argument("--readme", type=Path, help="only write the table of this grid file into README.md")
+    parser.add_argument("--readme", type=Path, help="only write the table of this grid file into docs/performance.md")
     args = parser.parse_args(argv)
     if args.table:
         print(render_table(read_rows(args.table)))
         return
     if args.readme:
-        rewrite_readme(ROOT / "README.md", read_rows(args.readme), args.readme)
+        rewrite_readme(ROOT / "docs" / "performance.md", read_rows(args.readme), args.readme)
         return
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]

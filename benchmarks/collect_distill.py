@@ -4,7 +4,8 @@ what `benchmarks/distill_offline.sh` writes).
 Usage: python benchmarks/collect_distill.py RUNS_DIR [--json]      (prints the table, or the entries as JSON)
 
 `benchmarks/collect_results.py collect` writes the same entries of ``RUNS/distill-long`` into
-``benchmarks/results/distill.json``, from which the README's table is generated. Rows: the pretrained model, the
+``benchmarks/results/distill.json``, from which the table of docs/results.md is generated.
+Rows: the pretrained model, the
 teacher(s), then each student; PPL is on the real test split (text only, code as the prompt). An entry is written
 only from a finished run.
 """
@@ -64,7 +65,7 @@ def entry(run: Path, label: str) -> dict | None:
 def synthetic_entry(folder: Path) -> dict | None:
     """What the students trained on: size, ε of the data (teacher + code histogram), coverage. Not the count of
     training texts copied verbatim (``training_copies_not_private.json``): it is computed from the private training
-    texts without noise, and a committed result file is published (README, "What a run writes")."""
+    texts without noise, and a committed result file is published (docs/finetuning.md, "What a run writes")."""
     if not (folder / "provenance.json").is_file():
         return None
     if not (folder / "release.json").is_file():

@@ -1,13 +1,13 @@
-"""Write benchmarks/results/*.json from finished run directories, and the README tables from those files.
+"""Write benchmarks/results/*.json from finished run directories, and the tables of docs/results.md from those files.
 
-    python benchmarks/collect_results.py collect /work/results-runs   # JSON files + README block
-    python benchmarks/collect_results.py readme                      # README block from the JSON files only
+    python benchmarks/collect_results.py collect /work/results-runs   # JSON files + docs/results.md block
+    python benchmarks/collect_results.py readme                      # docs/results.md block from the JSON files only
 
 Which run feeds which entry is fixed below (the job names of benchmarks/jobs.txt). An
 entry is written only from a finished run (result.json); an entry with several candidate runs (a
 learning-rate search) is written once every candidate has finished, from the candidate with the best
 VALIDATION value of its selection metric, with the whole search recorded beside it. A missing entry
-shows as "running" in the README, never as a number.
+shows as "running" in docs/results.md, never as a number.
 
 Each entry holds the schema's metrics (percent) plus: ε by each accountant the run reported (RDP, PRV
 with its bounds, GDP) and by the PLD accountant of dp-accounting (computed here from the run's ledger:
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from results_queue import LOWER_IS_BETTER, best_of, finished_scores  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "README.md"
+README = ROOT / "docs" / "results.md"  # the page holding the generated tables
 NLU = {"ser": "ser", "intent_accuracy": "intent_acc", "slot_f1": "slot_f1"}
 # ATIS's and SNIPS's DP searches: 5e-4 and 2e-3 first, then 5e-3, since 2e-3 was the top and best of each first grid
 # (jobs.txt extends a grid upward while its best is at the top).
@@ -270,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("collect", help="write the JSON files from run directories, then the README block").add_argument(
+    sub.add_parser("collect", help="write the JSON files from run directories, then docs/results.md").add_argument(
         "runs", type=Path, nargs="?", default=Path("/work/results-runs"))
-    sub.add_parser("readme", help="rewrite the README block from the JSON files")
+    sub.add_parser("readme", help="rewrite the docs/results.md block from the JSON files")
     args = parser.parse_args(argv)
     if args.command == "collect":
         for name, data in collect(args.runs).items():

@@ -1,7 +1,7 @@
-"""The README's results tables, generated from benchmarks/results/*.json (never typed by hand).
+"""The results tables of docs/results.md, generated from benchmarks/results/*.json (never typed by hand).
 
-``render(results)`` is the Markdown between the README's results markers; ``rewrite_readme`` puts it
-there. tests/test_results_tables.py checks that the README block is what the files say. An entry a
+``render(results)`` is the Markdown between the results markers of docs/results.md; ``rewrite_readme`` puts it
+there. tests/test_results_tables.py checks that the docs/results.md block is what the files say. An entry a
 file does not have yet is "running"; the published numbers beside ours are the papers' (cited).
 """
 

@@ -3,7 +3,7 @@
     python benchmarks/sst2_tuning_split.py ../shared/data/sst2 /work/results-runs/sst2-tuning-data
 
 The SST-2 DP learning rate is searched on this split (benchmarks/jobs.txt, ``sst2-tune-*``), never on the GLUE
-validation set the README reports (GLUE's test labels are not public, so validation is the only reported split).
+validation set docs/results.md reports (GLUE's test labels are not public, so validation is the only reported split).
 The output folder reads like any local SST-2 folder: ``train.tsv`` (all but ``--held-out`` training sentences) and
 ``dev.tsv`` (the held-out ones, a seeded random sample). The same seed always gives the same split.
 """

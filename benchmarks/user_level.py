@@ -1,8 +1,8 @@
 """The user-level DP demonstration (issue 24): Amazon reviews at user-level ε = 8, example-level ε = 8, non-private.
 
     nohup python benchmarks/user_level.py run >/dev/null 2>&1 &   # the three runs, one after another, resumably
-    python benchmarks/user_level.py collect                      # benchmarks/results/user_level.json + README block
-    python benchmarks/user_level.py readme                       # the README block from the JSON file only
+    python benchmarks/user_level.py collect                      # results/user_level.json + docs/results.md block
+    python benchmarks/user_level.py readme                       # the docs/results.md block from the JSON file only
 
 ``run`` is ``results_queue.py`` on JOBS (each run under ``nice -n 19``; a started run continues with
 ``--resume``, a finished one is skipped; restart it at any time). ``collect`` reads the finished run folders
@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "user_level.json"
-README = ROOT / "README.md"
+README = ROOT / "docs" / "results.md"  # the page holding the generated tables
 BEGIN, END = "<!-- user-level:begin (benchmarks/user_level.py) -->", "<!-- user-level:end -->"
 AMAZON = "data.path={data}/amazon_multidomain_sentiment"
 CHECKPOINTS = "train.checkpoint_every=10"  # a stopped machine loses at most 10 steps (the queue resumes)

@@ -5,7 +5,8 @@ book-keeping's Grams). Under glibc's defaults every block above the dynamic mmap
 fresh ``mmap`` that is zero-filled a page at a time and unmapped when freed, so each step pays hundreds of
 thousands of page faults: on SmolLM2-135M (T = 64, B = 8, 2 CPU cores) about 0.6–0.8 s of kernel time in a
 3.3–4.3 s step. Serving every allocation from the heap and never trimming it makes those faults disappear and the
-step about 14 % faster, for a peak RSS 3–14 % higher (``benchmarks/allocator_faults.py``, README; MiniLM-L6, whose
+step about 14 % faster, for a peak RSS 3–14 % higher (``benchmarks/allocator_faults.py``, docs/performance.md;
+MiniLM-L6, whose
 tensors are smaller, gains 2–5 %). Freed memory then stays with the process, which is what a training loop wants
 and why this is set by the ``dptext`` process entry point only, never by importing the library. What a one-off
 phase freed (the start-up probe's float64 copy of the model) is handed back explicitly: ``release_freed_memory``.

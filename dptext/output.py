@@ -107,6 +107,7 @@ class Output:
             from rich.console import Console
 
             self._console = Console(highlight=False)
+            self._console.on_broken_pipe = _closed_pipe  # rich would exit 1 silently; the CLI exits 0 instead
         return self._console
 
     @property
@@ -206,3 +207,13 @@ def _strip_markup(text: str) -> str:
     from rich.text import Text  # rich loads in ~0.1 s; `--json` and plain output, and `dptext --help`, never need it
 
     return Text.from_markup(text).plain
+
+
+class StdoutClosed(Exception):
+    """The reader of stdout went away (`dptext data ... | head`); `dptext.cli.app.main` ends quietly with 0.
+
+    Not an OSError: click turns an EPIPE OSError into a silent exit 1 before the CLI could see it."""
+
+
+def _closed_pipe() -> None:
+    raise StdoutClosed

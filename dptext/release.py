@@ -101,6 +101,9 @@ RUN_ENTRIES = (
           "seconds (with those of journaled evaluation batches it did not redo)",
           "un-noised statistics of the sampled private batches: the batch size alone tells whether a record "
           "was sampled; under privacy.unit=user also the exact numbers of users and training records"),
+    Entry("learning_curve_not_private.png", NOT_COVERED, "the learning curve (eval.learning_curve): training loss "
+          "per step, the primary metric and ε per evaluation", "plots the exact per-step losses of "
+          "diagnostics_not_private.jsonl"),
     Entry("result.json", COVERED, "final evaluation, privacy summary, settings", "as metrics.jsonl",
           dp_result=True),
     Entry("final_evaluation.jsonl", COVERED, "the final evaluation's finished batches (generated completions, "

@@ -96,7 +96,7 @@ def test_5_a_jsonl_path_without_dataset_uses_the_jsonl_reader(tmp_path, capsys):
     with pytest.raises(UserError, match="set data.dataset"):
         config.load_recipe(None, [f"data.path={tmp_path / 'odd'}"])
     code, _ = cli(["check", str(QUICKSTART), "model.name=tiny-bert", "data.dataset=null", f"data.path={data}",
-                   "task.labels=[negative,positive]"], capsys)  # own data: the classes are declared
+                   "task.labels=[negative,positive]", "train.batch_size=8"], capsys)  # own data: declared classes
     assert code == 0
 
 

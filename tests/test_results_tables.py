@@ -1,4 +1,4 @@
-"""benchmarks/collect_results.py and results_tables.py: the README tables are what benchmarks/results/ says."""
+"""benchmarks/collect_results.py and results_tables.py: docs/results.md's tables are what benchmarks/results/ says."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ collect = _load("collect_results")
 
 def test_readme_block_matches_the_result_files():
     generated = tables.render(collect.load_results())
-    assert tables.readme_block(ROOT / "README.md") == generated, (
-        "README results tables are stale: run `python benchmarks/collect_results.py readme`")
+    assert tables.readme_block(ROOT / "docs" / "results.md") == generated, (
+        "docs/results.md tables are stale: run `python benchmarks/collect_results.py readme`")
 
 
 def test_missing_entries_show_as_running_never_as_numbers():

@@ -1,5 +1,5 @@
-"""benchmarks/user_level.py: the README's user-level block is what benchmarks/results/user_level.json says, and a
-setting that has not finished shows as running, never as a number."""
+"""benchmarks/user_level.py: the user-level block of docs/results.md is what benchmarks/results/user_level.json
+says, and a setting that has not finished shows as running, never as a number."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ user_level = _load("user_level")
 
 
 def test_readme_block_matches_the_result_file():
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "results.md").read_text()
     block = text.split(user_level.BEGIN, 1)[1].split(user_level.END, 1)[0].strip("\n")
     assert block == user_level.render(user_level.load()), "stale: run `python benchmarks/user_level.py readme`"
 

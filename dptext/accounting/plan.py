@@ -98,29 +98,60 @@ def _recipe_row(name: str, recipe: Any, target_epsilon: float, delta: float | No
     row: dict[str, Any] = {"recipe": name, "accountant": recipe.privacy.accountant}
     if not recipe.privacy.enabled:
         return {**row, "noise_multiplier": None, "note": "non-private recipe (privacy.enabled: false)"}
-    edp = recipe.privacy.method == "edp_sgd"
     if recipe.privacy.unit == "user":  # n would be the number of users, which this listing does not count
         return {**row, "noise_multiplier": None, "note": "privacy.unit=user: q counts users; the run calibrates σ "
                 "from the number of users in its data (its ledger and summary report it)"}
     try:
-        plan = plan_for_recipe(recipe, _trained_size(recipe, train_size(recipe.data)))
-        if delta is not None:
-            plan = replace(plan, delta=resolve_delta(delta, None)[0], delta_source="given on the command line")
-        calibration = calibrate_noise_multiplier(target_epsilon, plan.delta, plan.sample_rate, plan.steps,
-                                                 method=recipe.privacy.accountant,
-                                                 schedule=noise_schedule_for(recipe.privacy) if edp else CONSTANT,
-                                                 steps_per_epoch=plan.steps_per_epoch)
+        found = recipe_plan(recipe, train_size, target_epsilon, delta, pinned=False)
     except UserError as exc:
         return {**row, "noise_multiplier": None, "note": str(exc)}
-    notes = ["GDP approximation"] if calibration.approximate else []
-    if edp:  # the training run adds noise z_0 = 2σ_0 (sensitivity 2C) unless every micro-batch holds one example
-        notes.append(f"eDP-SGD: σ is the accounted σ_0 of the first epoch ({recipe.privacy.noise_decay} decay); "
-                     f"noise z_0 = 2σ_0 = {2 * calibration.noise_multiplier:.4g}")
     if recipe.privacy.noise_multiplier is not None:
-        notes.append(f"the recipe pins σ={recipe.privacy.noise_multiplier:g}, which overrides this")
-    return {**row, "dataset_size": plan.dataset_size, "sample_rate": plan.sample_rate, "steps": plan.steps,
-            "delta": plan.delta, "delta_source": plan.delta_source, "noise_multiplier": calibration.noise_multiplier,
-            "epsilon": calibration.epsilon, "note": "; ".join(notes)}
+        found["notes"].append(f"the recipe pins σ={recipe.privacy.noise_multiplier:g}, which overrides this")
+    keys = ("dataset_size", "sample_rate", "steps", "delta", "delta_source", "noise_multiplier", "epsilon")
+    return {**row, **{key: found[key] for key in keys}, "note": "; ".join(found["notes"])}
+
+
+def recipe_plan(recipe: Any, train_size: Callable[[Any], int] | None = None, target_epsilon: float | None = None,
+                delta: float | None = None, pinned: bool = True) -> dict[str, Any]:
+    """What a private run of ``recipe`` would do, before it starts: n, q, steps, δ, and σ by the recipe's own
+    accountant (calibrated to ``target_epsilon`` or the recipe's, or the recipe's pinned σ when ``pinned``).
+    Raises the run's own refusals (e.g. an expected batch larger than n). Example-level recipes only: under
+    privacy.unit=user n counts users, which only the run's data tells."""
+    train_size = train_size or data.train_size
+    plan = plan_for_recipe(recipe, _trained_size(recipe, train_size(recipe.data)))
+    if delta is not None:
+        plan = replace(plan, delta=resolve_delta(delta, None)[0], delta_source="given on the command line")
+    privacy = recipe.privacy
+    found: dict[str, Any] = {**plan.__dict__, "expected_batch_size": plan.sample_rate * plan.dataset_size,
+                             "accountant": privacy.accountant, "epsilon": None, "notes": []}
+    if pinned and privacy.noise_multiplier is not None:
+        return {**found, "noise_multiplier": privacy.noise_multiplier,
+                "sigma_source": "pinned (privacy.noise_multiplier)"}
+    edp = privacy.method == "edp_sgd"
+    target = target_epsilon if target_epsilon is not None else privacy.target_epsilon
+    calibration = calibrate_noise_multiplier(target, plan.delta, plan.sample_rate, plan.steps,
+                                             method=privacy.accountant,
+                                             schedule=noise_schedule_for(privacy) if edp else CONSTANT,
+                                             steps_per_epoch=plan.steps_per_epoch)
+    if calibration.approximate:
+        found["notes"].append("GDP approximation")
+    if edp:  # the training run adds noise z_0 = 2σ_0 (sensitivity 2C) unless every micro-batch holds one example
+        found["notes"].append(f"eDP-SGD: σ is the accounted σ_0 of the first epoch ({privacy.noise_decay} decay); "
+                              f"noise z_0 = 2σ_0 = {2 * calibration.noise_multiplier:.4g}")
+    return {**found, "noise_multiplier": calibration.noise_multiplier, "epsilon": calibration.epsilon,
+            "sigma_source": f"calibrated to ε = {target:g} by {privacy.accountant.upper()}"}
+
+
+SMALL_N_DELTA = 1 / 2000  # the default δ = 1/(2n) exceeds this below n = 1,000
+
+
+def delta_warning(delta: float, delta_source: str, dataset_size: int | None) -> str | None:
+    """A warning when the default δ = 1/(2n) is large: (ε, δ)-DP allows a mechanism that publishes a whole record
+    with probability δ, so at n = 1 (δ = 0.5) the guarantee says little."""
+    if delta_source.startswith("1/(2n)") and delta > SMALL_N_DELTA:
+        return (f"δ = 1/(2n) = {delta:.2g} is large at n = {dataset_size} (a run may publish a record with "
+                f"probability up to δ); set privacy.delta (e.g. 1e-5) or train on more records.")
+    return None
 
 
 def _trained_size(recipe: Any, split_size: int) -> int:

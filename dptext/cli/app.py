@@ -20,6 +20,7 @@ import dptext
 from dptext.allocator import keep_freed_memory
 from dptext.errors import RunInterrupted, UserError, is_no_space
 from dptext.locking import release_all
+from dptext.output import StdoutClosed
 
 HELP = """Differentially private language models.
 
@@ -73,15 +74,41 @@ def _usage_sentence(exc: click.exceptions.ClickException, args: list[str]) -> st
     return f"{message}; see `{command} --help`."
 
 
+class _PipeGuard:
+    """stdout whose closed pipe raises ``StdoutClosed`` (click would turn the BrokenPipeError into a silent exit 1)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise StdoutClosed from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise StdoutClosed from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> None:
     if argv is None:  # the process entry point (console script, `python -m dptext`, torchrun), not a test's call
         keep_freed_memory()
+        sys.stdout = _PipeGuard(sys.stdout)
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("DPTEXT_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
+    if args[:2] == ["mia", "canary"] and not os.path.isdir("canary"):  # a sub-command of its own, with its own help
+        args = ["mia canary", *args[2:]]
     try:
         try:
             code = build_app()(args=args, prog_name="dptext", standalone_mode=False)
+            sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
         finally:
             release_all()  # the command's run-folder locks (an in-process call, e.g. a test, may run another)
     except UserError as exc:
@@ -100,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except (click.exceptions.Abort, KeyboardInterrupt):
         code = 130
+    except (BrokenPipeError, StdoutClosed):  # `dptext data ... | head`: the reader stopped reading, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's own flush cannot fail again
+        sys.exit(0)
     except Exception as exc:  # a bug, not a user mistake
         if debug:
             raise

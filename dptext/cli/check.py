@@ -25,8 +25,11 @@ def check(
     clipping_layout: Annotated[str, typer.Option("--clipping-layout", help="all_layer or per_layer.")] = "all_layer",
     json_mode: JsonOption = False,
 ) -> None:
-    """Validate a recipe (with overrides) as `dptext finetune` would, without loading weights, and print it resolved;
-    or, with --model, probe a model's layers."""
+    """Validate a recipe (with overrides) as `dptext finetune` would, without loading weights, and print it resolved
+    with its plan (n, q, steps, δ, σ, expected batch, micro-batch); or, with --model, probe a model's layers.
+
+    Example:  dptext check recipes/quickstart.yaml privacy.target_epsilon=3
+    """
     from dptext import config
     from dptext.errors import UserError
 
@@ -56,11 +59,49 @@ def check(
 
     validate_run(resolved, check_out=False)  # what `dptext finetune` checks before loading weights
     validate_local_data(resolved)
+    plan = run_plan(resolved)  # and the plan it would build (refusing, e.g., an expected batch larger than n)
     if json_mode:
-        out.result(config.to_dict(resolved))
-    else:
-        out.info(f"# {recipe}: valid")
-        print(config.dump_recipe(resolved), end="")
+        out.result({**config.to_dict(resolved), "plan": plan})
+        return
+    print(config.dump_recipe(resolved), end="")
+    out.table(f"Plan of {recipe}", ["", "value"], plan_rows(plan))
+    if plan.get("warning"):
+        out.warn(plan["warning"])
+    out.info(f"# {recipe}: valid")
+
+
+def run_plan(recipe) -> dict:
+    """n, q, steps, δ, σ, expected batch and micro-batch of the run `dptext finetune` would start."""
+    from dptext.accounting.plan import delta_warning, plan_for_recipe, recipe_plan
+    from dptext.data import train_size
+
+    physical = recipe.train.physical_batch_size
+    micro = physical if physical else "chosen at the start: 16 on CPU, the largest that fits on a GPU"
+    if recipe.privacy.enabled and recipe.privacy.unit == "user":
+        return {"private": True, "micro_batch": micro, "note": "privacy.unit=user: n, q and σ count users, which "
+                "the run finds in its data and prints before the first step"}
+    if not recipe.privacy.enabled:
+        found = dict(plan_for_recipe(recipe, train_size(recipe.data)).__dict__)
+        found["expected_batch_size"] = found["sample_rate"] * found["dataset_size"]
+        return {"private": False, **found, "micro_batch": micro, "note": "non-private baseline: no clipping, no noise"}
+    found = recipe_plan(recipe)
+    warning = delta_warning(found["delta"], found["delta_source"], found["dataset_size"])
+    return {"private": True, **found, "max_grad_norm": recipe.privacy.max_grad_norm, "micro_batch": micro,
+            **({"warning": warning} if warning else {})}
+
+
+def plan_rows(plan: dict) -> list[list]:
+    if "dataset_size" not in plan:
+        return [["micro-batch", plan["micro_batch"]], ["note", plan["note"]]]
+    rows = [["n (training examples)", plan["dataset_size"]], ["q = B/n (Poisson sampling rate)", plan["sample_rate"]],
+            ["steps", plan["steps"]], ["expected batch (q·n)", plan["expected_batch_size"]],
+            ["micro-batch", plan["micro_batch"]]]
+    if not plan["private"]:
+        return rows + [["privacy", plan["note"]]]
+    rows += [["δ", f"{plan['delta']:.3g} ({plan['delta_source']})"],
+             ["σ (noise multiplier)", f"{plan['noise_multiplier']:.4g} ({plan['sigma_source']})"],
+             ["C (clipping norm)", plan["max_grad_norm"]]]
+    return rows + [["note", note] for note in plan["notes"]]
 
 
 def register(app: typer.Typer) -> None:

@@ -20,7 +20,11 @@ def distill(
     resume: ResumeOption = None,
     json_mode: JsonOption = False,
 ) -> None:
-    """Train a student from a DP teacher (distildp) or run a baseline (dp_sgd, dpkd, synthetic_only, zero_shot)."""
+    """Train a student from a DP teacher (distildp) or run a baseline (dp_sgd, dpkd, synthetic_only, zero_shot).
+
+    Example:  dptext distill recipes/amazon-distill.yaml data.path=$DPTEXT_DATA/amazon_multidomain_sentiment
+    distill.teacher=runs/teacher distill.synthetic=runs/synthetic
+    """
     from dptext.distill import run_distill
 
     output = make_output(json_mode)

@@ -10,15 +10,31 @@ from typing_extensions import Annotated
 
 from dptext.cli.common import JsonOption, make_output
 
-EXAMPLES = """
-Examples:
-  dptext mia runs/audit-nonprivate runs/audit-eps8                 (loss attack, side by side)
-  dptext mia runs/audit-eps8 --attack all --references 4           (trains 4 reference models once)
-  dptext mia canary runs/audit-eps8                                 (canary exposure)
-  dptext mia runs/audit-eps8 --attack one-run                       (Steinke et al.: ε lower bound, one run)
-  dptext mia canary --compare-units recipe.yaml data.user_column=author --out runs/units
-      (trains the recipe at privacy.unit=example and =user, each canary one user, and compares exposure)
-"""
+# one paragraph per example: typer's rich help joins the lines of a paragraph
+EXAMPLES = "\n\n".join([
+    "Examples:",
+    "dptext mia runs/audit-nonprivate runs/audit-eps8   (loss attack, side by side)",
+    "dptext mia runs/audit-eps8 --attack all --references 4   (trains 4 reference models once)",
+    "dptext mia canary runs/audit-eps8   (canary exposure; `dptext mia canary --help` for its options)",
+    "dptext mia runs/audit-eps8 --attack one-run   (Steinke et al.: an ε lower bound from one run)",
+])
+CANARY_EXAMPLES = "\n\n".join([
+    "Examples:",
+    "dptext mia canary runs/audit-nonprivate runs/audit-eps8   (exposure per repetition count, side by side)",
+    "dptext mia canary --compare-units recipe.yaml data.user_column=author --out runs/units   (trains the recipe "
+    "at privacy.unit=example and =user, each canary one user, and compares exposure)",
+])
+
+
+CandidatesOption = Annotated[int, typer.Option(
+    "--candidates", help="canary: secrets sampled from R to rank each canary against.")]
+BatchSizeOption = Annotated[int, typer.Option("--batch-size", help="Scoring batch size.")]
+CompareUnitsOption = Annotated[Optional[Path], typer.Option(
+    "--compare-units", help="canary: train this recipe (KEY=VALUE overrides follow `canary`) twice, at "
+    "privacy.unit=example and privacy.unit=user, with each canary's copies one synthetic user "
+    "(audit.canary_unit=user), into --out/example and --out/user, and compare exposure.")]
+UnitsOutOption = Annotated[Optional[Path], typer.Option(
+    "--out", help="canary --compare-units: folder of the two runs (default: runs/<recipe>-units).")]
 
 
 def mia(
@@ -32,17 +48,12 @@ def mia(
         "--references", help="Shadow / reference models for shadow and lira (trained once, reused).")] = 2,
     max_examples: Annotated[Optional[int], typer.Option(
         "--max-examples", help="Audit at most this many non-members (and as many members).")] = None,
-    candidates: Annotated[int, typer.Option(
-        "--candidates", help="canary: secrets sampled from R to rank each canary against.")] = 2000,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Scoring batch size.")] = 32,
+    candidates: CandidatesOption = 2000,
+    batch_size: BatchSizeOption = 32,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="PNG of the ROC curves (default: FIRST_RUN/mia_not_private/roc.png).")] = None,
-    compare_units: Annotated[Optional[Path], typer.Option(
-        "--compare-units", help="canary: train this recipe (KEY=VALUE overrides follow `canary`) twice, at "
-        "privacy.unit=example and privacy.unit=user, with each canary's copies one synthetic user "
-        "(audit.canary_unit=user), into --out/example and --out/user, and compare exposure.")] = None,
-    out: Annotated[Optional[Path], typer.Option(
-        "--out", help="canary --compare-units: folder of the two runs (default: runs/<recipe>-units).")] = None,
+    compare_units: CompareUnitsOption = None,
+    out: UnitsOutOption = None,
     k_plus: Annotated[Optional[int], typer.Option(
         "--k-plus", help="one-run: canaries guessed 'in' (lowest loss); default m/4.")] = None,
     k_minus: Annotated[Optional[int], typer.Option(
@@ -144,5 +155,26 @@ def _canary(output, reports: list[dict]) -> None:
     output.result({"runs": reports})
 
 
+def mia_canary(
+    run_dirs: Annotated[Optional[List[str]], typer.Argument(
+        help="Run directories fine-tuned with audit.canaries (or, with --compare-units, KEY=VALUE overrides).",
+        show_default=False)] = None,
+    candidates: CandidatesOption = 2000,
+    batch_size: BatchSizeOption = 32,
+    compare_units: CompareUnitsOption = None,
+    out: UnitsOutOption = None,
+    json_mode: JsonOption = False,
+) -> None:
+    """Canary exposure: how far above random secrets each inserted canary ranks (higher = more memorised)."""
+    output = make_output(json_mode)
+    if compare_units is not None:
+        return _compare_units(output, compare_units, run_dirs or [], out, candidates, batch_size)
+    return _canary(output, _canary_reports(output, run_dirs or [], candidates, batch_size))
+
+
+CANARY_COMMAND = "mia canary"  # `dptext mia canary ...` is routed here by dptext.cli.app.main (its own --help)
+
+
 def register(app: typer.Typer) -> None:
     app.command("mia", epilog=EXAMPLES)(mia)
+    app.command(CANARY_COMMAND, hidden=True, epilog=CANARY_EXAMPLES)(mia_canary)

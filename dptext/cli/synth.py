@@ -42,7 +42,10 @@ def synth(
         "--max-chunks", help="Stop after this many batches (run again to continue).")] = None,
     json_mode: JsonOption = False,
 ) -> None:
-    """Generate synthetic (code, text) records from a DP teacher; the output carries the teacher's ε."""
+    """Generate synthetic (code, text) records from a DP teacher; the output carries the teacher's ε.
+
+    Example:  dptext synth runs/teacher --out runs/synthetic --n 400 --max-new-tokens 32
+    """
     from dptext.distill.codes import parse_domain
     from dptext.distill.synth import synthesize
 

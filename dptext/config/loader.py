@@ -13,6 +13,7 @@ import yaml
 from dptext.config.overrides import apply_overrides
 from dptext.config.recipe import Recipe
 from dptext.config.schema import _is_optional, _type_name, all_keys
+from dptext.config.strict_yaml import DuplicateKey, load_unique
 from dptext.constraints import check_relations, check_value
 from dptext.errors import UserError
 from dptext.textfiles import check_utf8
@@ -121,11 +122,17 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise UserError(f"Recipe file '{path}' does not exist; check the path (shipped recipes are in recipes/).")
         check_utf8(path, "recipe")  # a Latin-1 byte, UTF-16, gzip: named in one sentence, never a traceback
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = load_unique(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
             raise UserError(f"Recipe '{path}' is not valid YAML{where}; fix the syntax and retry.") from exc
+        except DuplicateKey as exc:
+            raise UserError(f"Recipe '{path}' gives '{exc.key}' twice (lines {exc.first_line} and {exc.line}) and "
+                            "YAML would silently keep only the last; merge them into one.") from None
+        if data is None or data == {}:  # the defaults alone train nothing anyone chose
+            raise UserError(f"Recipe '{path}' is empty; start from a shipped one (e.g. recipes/quickstart.yaml) "
+                            "and change what you need.")
         if not isinstance(data, dict):
             raise UserError(f"Recipe '{path}' must be a YAML mapping of sections (model:, data:, ...).")
         data.setdefault("name", path.stem)

@@ -13,6 +13,9 @@ class TrainConfig:
     optimizer: Literal["adam", "adamw", "sgd"] = doc(
         "adam", "Optimizer wrapped by the DP optimizer (DP-Adam by default).")
     learning_rate: float = doc(5e-4, "Learning rate.", gt=0)
+    lr_schedule: Literal["constant", "linear"] = doc(
+        "constant", "constant, or linear: decays from learning_rate at the first step to learning_rate/steps at "
+        "the last (a public setting; keeps late noisy DP-Adam steps from drifting the loss up).")
     weight_decay: float = doc(0.0, "Weight decay (Li et al. use none).", ge=0)
     epochs: float = doc(10.0, "Training epochs (steps = epochs / sampling rate).", gt=0)
     max_steps: Optional[int] = doc(
@@ -47,6 +50,10 @@ class EvalConfig:
     split: Literal["validation", "test"] = doc(
         "test", "Split of the final evaluation (periodic evaluations use validation). GLUE test has no labels.")
     before_training: bool = doc(False, "Also evaluate the model before the first step, as a baseline.")
+    learning_curve: bool = doc(False, "Write learning_curve_not_private.png to the run directory: the training loss "
+                               "(from the not-covered diagnostics) and, per evaluation, the primary metric and ε.")
+    baseline: Optional[str] = doc(None, "A committed result JSON (relative to the working directory) of the same "
+                                  "recipe without privacy; the summary shows its metrics beside the run's.")
     beam_size: int = doc(5, "Beam size for generation tasks.", ge=1)
     max_new_tokens: int = doc(64, "Maximum generated tokens per example.", ge=1)
     batch_size: int = doc(32, "Evaluation batch size.", ge=1)

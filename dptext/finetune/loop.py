@@ -23,6 +23,7 @@ import torch
 from dptext.accounting import PrivacyLedger
 from dptext.errors import RunInterrupted, UserError
 from dptext.finetune import sharded_checkpoint, sharding
+from dptext.finetune.lr_schedule import set_learning_rate
 from dptext.finetune.selection import save_best
 from dptext.finetune.seeds import capture_rng_state, restore_rng_state
 from dptext.finetune.user_level import micro_batches_by_user, shortest_users_first
@@ -283,6 +284,7 @@ def run_loop(training: Any, run: RunDir, output: Any, start_step: int,
     with output.progress(steps, "training", start=start_step) as progress, \
             stop_after_step(training.dist is None or not training.dist.active) as stop:
         for step, sampled in enumerate(training.sampler, start=start_step + 1):
+            set_learning_rate(training, step)
             try:
                 loss, batch_size = train_step(training, sampled)
             except NonFiniteError:

@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from dptext.accounting import epsilon_unit
+from dptext.accounting.plan import delta_warning
 from dptext.data.audit_split import write_audit
 from dptext.errors import UserError
 from dptext.finetune import selection as model_selection
 from dptext.finetune import sharding
+from dptext.finetune.baseline import baseline_summary
+from dptext.finetune.curve import maybe_write_curve
 from dptext.finetune.distributed import FollowerRun, current, release, silent_output
 from dptext.finetune.loop import check_same_account, restore, run_loop
 from dptext.finetune.setup import build_training
@@ -146,7 +149,6 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
             run = FollowerRun(dist.broadcast(None))
     if not dist.is_writer:
         run, output = FollowerRun(run.path), silent_output()
-    output.info(f"Run directory: {run.path}")
     started = time.monotonic()
     try:
         training = build(recipe, run) if build is not None else build_training(recipe)
@@ -154,6 +156,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         if resume is None and dist.is_writer:
             run.remove_unstarted(keep_folder=existed)
         raise
+    output.info(f"Run directory: {run.path}")  # only once it exists for good: a refused start removes it
     state = run.load_checkpoint(say=output.warn) if resume is not None else None
     if training.users is not None and dist.is_writer:  # release.json says what evaluation holds (a public rule)
         write_manifest(run.path, unit={**recipe_unit(recipe), "evaluation_users": evaluation_users(recipe)})
@@ -197,7 +200,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         "metrics": final, "metrics_before_training": before,
         "privacy": privacy_summary(training), "model_dir": str(model_dir),
         "physical_batch_size": training.physical_batch_size, "steps_run": steps_run,
-        **model_selection.summary(training.selection, steps_run), **training.info,
+        **model_selection.summary(training.selection, steps_run), **training.info, **baseline_summary(recipe),
     }
     seconds = time.monotonic() - started
     # The run's wall time is an un-noised function of the realised Poisson batch sizes and of the sampled records'
@@ -207,6 +210,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     # seconds an earlier invocation spent on the evaluation batches this one took from the journal
     run.log_diagnostics({"event": "finished", "step": steps_run, "start_step": start_step, "total_seconds": seconds,
                          "evaluation_reused_seconds": journal.reused_seconds if journal is not None else 0.0})
+    maybe_write_curve(training, run)  # before release.json, which lists it
     run.save_result(result, release_flags(training))
     release()
     return {**result, "seconds": seconds}
@@ -228,13 +232,17 @@ def _announce(training: Any, output: Any) -> None:
     line = (f"{recipe.model.name} on {recipe.data.dataset}: n={plan.dataset_size}{counted}, "
             f"q={plan.sample_rate:.4g}, {plan.steps} steps, micro-batch {training.physical_batch_size}")
     if training.private:
+        target = recipe.privacy.target_epsilon
+        sigma = "σ pinned by privacy.noise_multiplier, ε" if target is None else f"target ε={target:g}"
         line += (f"; DP with σ={training.noise_multiplier:.4g}, C={recipe.privacy.max_grad_norm:g}, "
-                 f"δ={plan.delta:.3g} ({plan.delta_source}), target ε={recipe.privacy.target_epsilon} "
-                 f"{epsilon_unit(training.ledger.mechanism)}")
+                 f"δ={plan.delta:.3g} ({plan.delta_source}), {sigma} {epsilon_unit(training.ledger.mechanism)}")
     elif training.info.get("privacy_claim"):  # distillation from DP data: post-processing, the claim is inherited
         line += "; trains without noise on DP-derived data (the privacy claim is inherited, see the summary)"
     else:
         line += "; NON-PRIVATE baseline (privacy.enabled=false)"
     output.info(line)
+    warning = delta_warning(plan.delta, plan.delta_source, plan.dataset_size) if training.private else None
+    if warning:
+        output.warn(warning)
     if training.private and (recipe.task.type == "dialog" or training.users is not None):
         output.info(f"Privacy unit: {privacy_unit(recipe)}.")

@@ -16,6 +16,7 @@ from typing import Any
 
 from dptext.data import dataset_info, label_names, load_records
 from dptext.errors import UserError
+from dptext.finetune.baseline import check_baseline
 from dptext.data.users import user_groups
 from dptext.finetune.user_level import check_user_level, user_level
 from dptext.model_check import check_model_name
@@ -83,6 +84,7 @@ def validate_run(recipe: Any, out: str | Path | None = None, check_out: bool = T
     """Refuse a run that cannot start, before it loads data or weights or writes anything."""
     check_privacy(recipe)
     check_data(recipe)
+    check_baseline(recipe)
     if check_model:  # `dptext distill` names its models in the distill section and checks them itself
         check_model_name(recipe.model.name)
     if check_out:
