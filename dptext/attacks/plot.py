@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
-from dptext.runs import atomic_write
+from dptext.figures import atomic_write_png
 
 STYLES = {"loss": "-", "shadow": "--", "lira": ":"}
-
-
-def atomic_write_png(path: str | Path, figure: Any) -> Path:
-    """Save a matplotlib figure as a PNG atomically, then close it."""
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    plt.close(figure)
-    atomic_write(path, lambda handle: handle.write(buffer.getvalue()), binary=True)
-    return Path(path)
 
 
 def run_label(report: dict[str, Any]) -> str:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dptext.runs import DIAGNOSTICS, RunDir, atomic_write_png
+from dptext.figures import atomic_write_png
+from dptext.runs import DIAGNOSTICS, RunDir
 
 CURVE = "learning_curve_not_private.png"
 
