@@ -171,8 +171,6 @@ def test_a_non_finite_example_on_one_rank_is_refused_on_both(two_ranks, mode):
         assert verdict == "refused" and "per-step privacy check failed" in message, message
 
 
-@pytest.mark.xfail(strict=True, reason="ShardedDPOptimizer.chunks is computed once at construction and replan() "
-                   "does not recompute it: a layer unfrozen by replan() gets no clipped sum under FSDP2, only noise")
 @pytest.mark.parametrize("mode", MODES)
 def test_a_layer_unfrozen_by_replan_is_trained_under_fsdp2(two_ranks, mode):
     single = unfrozen_update(mode)
