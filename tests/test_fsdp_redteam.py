@@ -3,8 +3,8 @@
 One launch (this file run as a script with torchrun's environment) runs every case on the tiny fp64 models of
 ``fsdp_models``; the tests here compare with single-process twins. Covered: a parameter with fewer rows than ranks
 (rank 1 owns none of it), the step's bound over every rank's rows (C shrunk after clipping: refused on both ranks,
-both layouts, book-keeping and per_sample), a non-finite example on one rank (refused on both, no hang), a layer
-unfrozen by ``replan()`` after the engine was built, and FSDP2 sharding a weight on dim 1 (``shard_placement_fn``).
+both layouts, book-keeping and per_sample), a non-finite example on one rank (refused on both, no hang), adapters
+beside frozen layers a layer per chunk in both layouts, a layer unfrozen by ``replan()`` after the engine was built, and FSDP2 sharding a weight on dim 1 (``shard_placement_fn``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,42 @@ class NarrowHead(TinyLM):
 def narrow_lm() -> nn.Module:
     torch.manual_seed(0)
     return NarrowHead().double()
+
+
+class Adapted(TinyLM):
+    """LoRA's shape by hand: each block's ``fc`` frozen, a trainable rank-2 adapter (down 2 × 6, up 6 × 2) beside
+    it; the tied embedding and head trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.ModuleList([nn.Linear(6, 2, bias=False) for _ in self.blocks])
+        self.up = nn.ModuleList([nn.Linear(2, 6, bias=False) for _ in self.blocks])
+        for block in self.blocks:
+            block.fc.requires_grad_(False)
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for block, down, up in zip(self.blocks, self.down, self.up):
+            hidden = block(hidden) + up(down(hidden))
+        return self.head(hidden)
+
+
+def adapted_update(layout, ctx=None, rows=None):
+    """Book-keeping on ``Adapted`` with one whole layer per chunk (the chunk size forced to 1 coordinate)."""
+    from dptext.privacy.sharding import row_reduce
+
+    torch.manual_seed(0)
+    model = Adapted().double()
+    if ctx is not None:
+        from dptext.finetune.sharding import shard_model
+
+        shard_model(model, list(model.blocks))  # the adapters go to the root unit
+    real, row_reduce.CHUNK_COORDINATES = row_reduce.CHUNK_COORDINATES, 1
+    try:
+        return moves(model, engine_for(model, layout=layout, ctx=ctx),
+                     token_ids()[rows if rows is not None else slice(None)])
+    finally:
+        row_reduce.CHUNK_COORDINATES = real
 
 
 def engine_for(model, mode="bookkeeping", layout="all_layer", ctx=None):
@@ -131,6 +167,7 @@ def worker(out: Path) -> None:
         "non_finite": {mode: outcome(lambda: non_finite_on_rank_1(ctx, mode)) for mode in MODES},
         "unfrozen": {mode: outcome(lambda: unfrozen_update(mode, ctx, mine)) for mode in MODES},
         "dim1": outcome(lambda: dim1_update(ctx, mine)),
+        "adapted": {layout: adapted_update(layout, ctx, mine) for layout in ("all_layer", "per_layer")},
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -169,6 +206,14 @@ def test_a_non_finite_example_on_one_rank_is_refused_on_both(two_ranks, mode):
     for rank in two_ranks:
         verdict, message = rank["non_finite"][mode]
         assert verdict == "refused" and "per-step privacy check failed" in message, message
+
+
+@pytest.mark.parametrize("layout", ["all_layer", "per_layer"])
+def test_adapters_beside_frozen_layers_one_layer_per_chunk_are_summed_as_in_one_process(two_ranks, layout):
+    single = adapted_update(layout)
+    assert single["up.0.weight"].abs().max() > 0 and not single["blocks.0.fc.weight"].any()
+    for rank in two_ranks:
+        assert_same(rank["adapted"][layout], single, layout)
 
 
 @pytest.mark.parametrize("mode", MODES)
