@@ -3,8 +3,10 @@
 One launch (this file run as a script with torchrun's environment) runs every case on the tiny fp64 models of
 ``fsdp_models``; the tests here compare with single-process twins. Covered: a parameter with fewer rows than ranks
 (rank 1 owns none of it), the step's bound over every rank's rows (C shrunk after clipping: refused on both ranks,
-both layouts, book-keeping and per_sample), a non-finite example on one rank (refused on both, no hang), adapters
-beside frozen layers a layer per chunk in both layouts, a layer unfrozen by ``replan()`` after the engine was built, and FSDP2 sharding a weight on dim 1 (``shard_placement_fn``).
+both layouts, book-keeping and per_sample), a non-finite example on one rank and a per_sample micro-batch refused
+on one rank (refused on both, no hang), LoRA-shaped adapters beside frozen layers a layer per chunk in both
+layouts, a layer unfrozen by ``replan()`` after the engine was built, and FSDP2 sharding a weight on dim 1
+(``shard_placement_fn``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import pytest
 import torch
 from torch import nn
 from fsdp_models import N, TinyLM, full, losses, shard, tiny_lm, token_ids
-from two_ranks import run_two_ranks
+from test_fsdp import refused_on_one_rank
+from two_ranks import FAILURES, run_two_ranks
 
 C = 0.5
 TIMEOUT = 240
@@ -167,6 +170,7 @@ def worker(out: Path) -> None:
         "non_finite": {mode: outcome(lambda: non_finite_on_rank_1(ctx, mode)) for mode in MODES},
         "unfrozen": {mode: outcome(lambda: unfrozen_update(mode, ctx, mine)) for mode in MODES},
         "dim1": outcome(lambda: dim1_update(ctx, mine)),
+        "refused": {failure: refused_on_one_rank(ctx, "per_sample", failure) for failure in FAILURES},
         "adapted": {layout: adapted_update(layout, ctx, mine) for layout in ("all_layer", "per_layer")},
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
@@ -206,6 +210,14 @@ def test_a_non_finite_example_on_one_rank_is_refused_on_both(two_ranks, mode):
     for rank in two_ranks:
         verdict, message = rank["non_finite"][mode]
         assert verdict == "refused" and "per-step privacy check failed" in message, message
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+def test_per_sample_refused_on_one_rank_refuses_on_both_without_a_hang(two_ranks, failure):
+    # the refusing rank joins every chunk's reduce-scatter with zeros (join_reduction), or the other waits for ever
+    for rank in two_ranks:
+        assert rank["refused"][failure]["unchanged"] and rank["refused"][failure]["refusal"]
+    assert FAILURES[failure] in two_ranks[1]["refused"][failure]["refusal"]
 
 
 @pytest.mark.parametrize("layout", ["all_layer", "per_layer"])
