@@ -49,6 +49,7 @@ from dptext.privacy.clipping.plan import (_check_choice, _check_optimizer, _modu
 from dptext.privacy.noise.randomness import RandomRoot, randomness_note
 from dptext.privacy.sampling.sampler import make_sampler
 from dptext.privacy.sharding.fsdp_controls import check_no_other_ghost_engine, whole_weights
+from dptext.privacy.sharding.row_reduce import sum_chunks
 from dptext.privacy.sharding.sharded import noise_site, sharded_optimizer
 from dptext.privacy.proof.step_checks import check_no_foreign_backward, check_trainable_set, parameter_names
 from dptext.privacy.clipping.units import LogicalBatchUnits, unit_index
@@ -219,6 +220,8 @@ class PrivacyEngine:
             carry_trainable_by_name(self.model, self.params, self.planned_names)
         self._plan()
         self.dp_optimizer.params = self.params
+        if hasattr(self.dp_optimizer, "chunks"):  # FSDP2: the chunks reduce-scattered follow the new plan
+            self.dp_optimizer.chunks = sum_chunks(self.tracked, self.params)
         self.dp_optimizer.param_names = self.param_names()
         self.verified = False
         if verify:
