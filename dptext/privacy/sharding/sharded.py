@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dptext.errors import UserError
 from dptext.privacy.clipping.sums import invariant_tolerance, judge_squared_sums
 from dptext.privacy.sharding.fsdp_controls import sum_in_backward
 from dptext.privacy.sharding.row_reduce import local_rows, reduce_in_chunks, sum_chunks
@@ -51,6 +52,14 @@ SHARDED_STREAM = 1 << 20  # the noise child's stream for sharded noise, apart fr
 
 def is_sharded(param: Tensor) -> bool:
     return hasattr(param, "device_mesh") and hasattr(param, "to_local")
+
+
+def rows_sharded(param: Tensor) -> bool:
+    """FSDP2's default layout on a 1-D mesh: the parameter's rows split over the ranks (``Shard(0)``)."""
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(param.placements)
+    return len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0
 
 
 class ShardedNoise:
@@ -195,6 +204,12 @@ def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool
                  and not is_sharded(param)]
     if unsharded:
         raise ValueError(f"parameter '{unsharded[0]}' is not sharded; build the engine after fully_shard")
+    other_layout = [name for param, name in engine.param_names().items() if param in set(engine.params)
+                    and not rows_sharded(param)]
+    if other_layout:  # the clipped sums are reduce-scattered by rows (row_reduce); columns would get rows' values
+        raise UserError(f"Parameter '{other_layout[0]}' is sharded by FSDP2 on another dimension than its rows "
+                        "(a shard_placement_fn, or a 2-D mesh); the privacy engine reduces clipped sums by rows "
+                        "only, so shard every trained parameter with FSDP2's default Shard(0).")
     noise = ShardedNoise(engine.root, secure_rng)
     noise.share_key(engine.distributed.broadcast)
     context = engine.distributed
