@@ -157,6 +157,12 @@ def dim1_update(ctx=None, rows=None):
     return moves(model, engine_for(model, ctx=ctx), token_ids()[rows if rows is not None else slice(None)])
 
 
+def probe_sharded(ctx, mode: str):
+    """The start-up probe asked for on an already-sharded model: one sentence saying to prove before fully_shard."""
+    model = shard(tiny_lm(), ctx)
+    engine_for(model, mode, ctx=ctx).verify()
+
+
 def worker(out: Path) -> None:
     from dptext.finetune.distributed import current, release
 
@@ -170,6 +176,7 @@ def worker(out: Path) -> None:
         "non_finite": {mode: outcome(lambda: non_finite_on_rank_1(ctx, mode)) for mode in MODES},
         "unfrozen": {mode: outcome(lambda: unfrozen_update(mode, ctx, mine)) for mode in MODES},
         "dim1": outcome(lambda: dim1_update(ctx, mine)),
+        "probe_sharded": {mode: outcome(lambda: probe_sharded(ctx, mode)) for mode in (*MODES, "ghost")},
         "refused": {failure: refused_on_one_rank(ctx, "per_sample", failure) for failure in FAILURES},
         "adapted": {layout: adapted_update(layout, ctx, mine) for layout in ("all_layer", "per_layer")},
     }
@@ -236,6 +243,13 @@ def test_a_layer_unfrozen_by_replan_is_trained_under_fsdp2(two_ranks, mode):
         verdict, got = rank["unfrozen"][mode]
         assert verdict == "ok", got
         assert_same(got, single, mode)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "ghost"])
+def test_the_probe_on_a_sharded_model_says_to_prove_before_fully_shard(two_ranks, mode):
+    for rank in two_ranks:
+        verdict, message = rank["probe_sharded"][mode]
+        assert verdict == "refused" and "before fully_shard" in message, message
 
 
 def test_a_weight_sharded_on_dim_1_is_refused(two_ranks):

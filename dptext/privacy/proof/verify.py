@@ -39,6 +39,9 @@ REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd 
                     "model's synthetic batch ({}; e.g. an input changed in place after a layer read it, or "
                     "an fp32-only mask), so nothing can prove the clipping exact; fix the model's forward or "
                     "freeze the layers involved.")
+SHARDED = ("The start-up probe needs each layer's whole weight and runs before fully_shard: prove the whole model "
+           "first (a PrivacyEngine on it, engine.verify(), engine.detach(), as `dptext finetune` does with "
+           "train.sharding=fsdp), then build the engine on the sharded model with verify=False.")
 FP64_PARAMETERS = 50_000_000  # up to this size the probe runs on an fp64 copy of the model (its peak: ~2 extra
 # fp64 model sizes, negligible here); above it, in the model's own precision with fp32 sums, so that the proof
 # costs about one training step's memory at any scale (docs/privacy_engine.md, "What the proof covers")
@@ -189,6 +192,8 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
 
     ``dtype``: the probe's precision ("auto": ``probe_dtype``; None: the model's own)."""
     model = engine.model
+    if any(hasattr(param, "device_mesh") for param in engine.params):  # FSDP2's DTensor shards
+        raise UserError(SHARDED)
     make_batch = make_batch or synthetic_token_batch(model)
     loss_fn = loss_fn or output_functional_loss
     report = ProbeReport({m: LayerRow(engine.names[m], type(m).__name__, type(rule).__name__.removesuffix("Rule"))
