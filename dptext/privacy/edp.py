@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.errors import UserError
 from dptext.accounting.pld import MIN_SIGMA
-from dptext.privacy.noise.settings import check_settings
+from dptext.privacy.settings import check_noise
 from dptext.privacy.clipping.sums import STABILITY
 from dptext.privacy.proof.edp_probe import probe_edp
 from dptext.privacy.engine import PrivacyEngine
@@ -94,7 +94,7 @@ class EDPEngine:
                  probe_batch: Callable[..., Any] | None = None, probe_loss: Callable[..., Any] | None = None):
         """``record_ids``: one stable id per example (bytes; e.g. a digest of its content), for the keyed-hash
         slot rule; needed under torchrun unless every slot holds one example. ``seed``: see PrivacyEngine."""
-        check_settings(noise_multiplier, max_grad_norm, floor=2 * MIN_SIGMA)  # accounted as z_0 / 2
+        check_noise(noise_multiplier, max_grad_norm, floor=2 * MIN_SIGMA)  # accounted as z_0 / 2
         if micro_batches_per_device < 1:
             raise UserError("privacy.edp_micro_batches_per_device must be ≥ 1.")
         if scaling not in SCALINGS:

@@ -25,11 +25,13 @@ trained) and the clipped sums must satisfy the per-step invariant, or the step s
 
 Modules: ``plan`` (which layers, which rules), ``clipped_step`` (one micro-batch in each mode), ``step_checks``
 and ``outside_reads`` (the every-step checks), ``verify`` and ``probe_checks`` (the start-up probe),
-``optimizer`` (noise once per logical step).
+``optimizer`` (noise once per logical step), ``settings`` (the privacy settings: checked, fixed, described),
+``engine_plan`` (the plan installed and removed).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -38,37 +40,21 @@ from torch import Tensor, nn
 from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsilon
 from dptext.accounting.calibrate import check_training_accountant
 from dptext.errors import UserError
-from dptext.privacy.noise.settings import check_settings
-from dptext.privacy.clipping.capture import UseRecorder
 from dptext.privacy.clipping.clipped_step import backward_once, clip_recorded, exact_arithmetic, ghost_backward
-from dptext.privacy.clipping.owned_params import carry_trainable_by_name, give_back, take_out_of_autograd
 from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
-from dptext.privacy.proof.outside_reads import OutsideReads
-from dptext.privacy.clipping.plan import (_check_choice, _check_optimizer, _module_names, _sampling_numbers,
-                                 find_tracked_modules, global_hook_keys, unproven_rules)
-from dptext.privacy.noise.randomness import RandomRoot, randomness_note
+from dptext.privacy.clipping.plan import _sampling_numbers
+from dptext.privacy.engine_plan import install_plan, remove_plan
+from dptext.privacy.noise.randomness import RandomRoot
 from dptext.privacy.sampling.sampler import make_sampler
-from dptext.privacy.sharding.fsdp_controls import check_no_other_ghost_engine, whole_weights
+from dptext.privacy.sharding.fsdp_controls import check_no_other_ghost_engine
 from dptext.privacy.sharding.row_reduce import sum_chunks
-from dptext.privacy.sharding.sharded import noise_site, sharded_optimizer
-from dptext.privacy.proof.step_checks import check_no_foreign_backward, check_trainable_set, parameter_names
+from dptext.privacy.sharding.sharded import sharded_optimizer
+from dptext.privacy.proof.step_checks import (check_loss, check_no_foreign_backward, check_trainable_set,
+                                               parameter_names, refuse_foreign_step)
+from dptext.privacy.settings import check_settings, describe_mechanism, fixed_setting
 from dptext.privacy.clipping.units import LogicalBatchUnits, unit_index
 from dptext.privacy.sampling.user_sampler import UserPoissonSampler, make_user_sampler
 from dptext.privacy.proof.verify import probe as verify_probe
-
-CLIPPING_MODES = ("bookkeeping", "ghost", "per_sample")
-FIXED_SETTING = ("{} is fixed when the privacy engine is built (the noise drawn, the per-step check and the "
-                 "accounting all use it); build a new PrivacyEngine for another value.")
-CLIPPING_LAYOUTS = ("all_layer", "per_layer")
-SAMPLINGS = ("poisson", "shuffle")
-
-
-def fixed_setting(name: str) -> property:
-    """A privacy setting readable after construction and refused on assignment (``FIXED_SETTING``)."""
-    def refuse(self, value: Any) -> None:
-        raise UserError(FIXED_SETTING.format(name))
-
-    return property(lambda self: getattr(self, f"_{name}"), refuse)
 
 
 class PrivacyEngine:
@@ -81,8 +67,8 @@ class PrivacyEngine:
     ``secure_rng=True`` also re-seeds the noise from the OS before every step.
     ``ledger``, a ``dptext.accounting.PrivacyLedger`` (its ``record_step``) or any callable, is called as
     ``record_step(sample_rate=q, noise_multiplier=σ)`` after every noisy step. ``distributed``, a
-    ``dptext.privacy.sharding.distributed.DistributedContext``, makes it one of N processes (torchrun): its sampler covers
-    this rank's shard, clipped sums are all-reduced and rank 0 adds the noise (see that module).
+    ``dptext.privacy.sharding.distributed.DistributedContext``, makes it one of N processes (torchrun): its
+    sampler covers this rank's shard, clipped sums are all-reduced and rank 0 adds the noise (see that module).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
@@ -94,26 +80,14 @@ class PrivacyEngine:
                  probe_loss: Callable[..., Any] | None = None):
         self.sample_rate, self.dataset_size, self.expected_batch_size = _sampling_numbers(
             sample_rate, dataset_size, expected_batch_size)
-        _check_choice("clipping_mode", clipping_mode, CLIPPING_MODES)
-        _check_choice("clipping_layout", clipping_layout, CLIPPING_LAYOUTS)
-        _check_choice("sampling", sampling, SAMPLINGS)
-        if clipping_mode == "ghost" and clipping_layout == "per_layer":
-            raise UserError("Ghost clipping's second backward pass applies one factor per example; use "
-                            "clipping_mode='bookkeeping' (or per_sample) for per-layer clipping.")
-        check_settings(noise_multiplier, max_grad_norm)
+        check_settings(clipping_mode, clipping_layout, sampling, noise_multiplier, max_grad_norm, seed, secure_rng)
         self.model = model
         self._noise_multiplier = float(noise_multiplier)
         self._max_grad_norm = float(max_grad_norm)
         self.clipping_mode = clipping_mode
         self.clipping_layout = clipping_layout
         self.sampling = sampling
-        if sampling != "poisson":
-            raise UserError(f"sampling='{sampling}' is not covered by the Poisson-subsampling accountant, so its ε "
-                            "would not be a guarantee; use sampling='poisson' for private training (a non-private "
-                            "run may shuffle).")
         self.secure_rng = secure_rng
-        if secure_rng and seed is not None:
-            raise UserError("secure_rng draws noise and sampling seeds from the operating system; drop the seed.")
         self.root = seed if isinstance(seed, RandomRoot) else RandomRoot(seed)
         self.rank = distributed.rank if distributed is not None and distributed.active else 0
         self._record_step = getattr(ledger, "record_step", ledger)
@@ -143,21 +117,7 @@ class PrivacyEngine:
         self.dp_optimizer.param_names = self.param_names()
         # the optimizer handed to the engine updates only on the engine's privatized gradients, in every mode (a
         # plain loss.backward() + optimizer.step() in ghost mode applied raw, unclipped gradients)
-        self._step_guard = optimizer.register_step_pre_hook(self._refuse_foreign_step)
-
-    def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        # A step at learning rate 0 with no gradient changes nothing: torch.distributed.checkpoint creates optimizer
-        # state that way (zero gradients, lr 0) before loading a sharded checkpoint. With a gradient it is not inert:
-        # momentum and Adam's moments would take in raw gradients that a later step applies.
-        if self.dp_optimizer.updating:  # the engine's own update: nothing to scan (no per-step cost)
-            return
-        inert = all(float(group.get("lr", 1.0)) == 0.0 and all(p.grad is None or not bool(p.grad.any())
-                                                                 for p in group["params"])
-                    for group in optimizer.param_groups)
-        if not inert:
-            raise UserError("The optimizer given to the privacy engine was stepped directly, which would apply "
-                            "gradients the engine did not clip or noise; call engine.step() instead (or "
-                            "engine.detach() to train without privacy).")
+        self._step_guard = optimizer.register_step_pre_hook(partial(refuse_foreign_step, self))
 
     # σ and C are read by the optimizer's noise, the per-step invariant, mechanism() and the ledger: one value for
     # all, fixed at construction (assigning a new one used to change ε but not the noise drawn).
@@ -175,30 +135,7 @@ class PrivacyEngine:
 
     def _plan(self) -> None:
         """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
-        self.names = _module_names(self.model)
-        with whole_weights(self.model):  # FSDP2: layers are matched to their rules on the gathered weights
-            self.tracked = find_tracked_modules(self.model, self.clipping_mode, self._learned_layouts)
-        self.params = list(dict.fromkeys(module.get_parameter(name) for module, (_, names) in self.tracked.items()
-                                         for name in names))
-        if not self.params:
-            raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
-        _check_optimizer(self.optimizer, self.params, self.param_names())
-        self.unproven = unproven_rules(self.model, self.tracked)
-        self.global_hooks = global_hook_keys()
-        # ghost mode's second pass is autograd over every path: check each step that there is no other one
-        # (installed before the recorder, which takes its hooks as the planned ones)
-        self.outside_reads = OutsideReads(self.model, self.tracked if self.clipping_mode == "ghost" else {})
-        # the proof's hook first: it runs before the recorder's own hooks see the call (and is part of the plan
-        # the recorder snapshots, so a tracked root does not read it as a foreign hook added later)
-        prove_first = self.model.register_forward_pre_hook(self._prove_before_first_forward, prepend=True)
-        self.recorder = UseRecorder(self.model, self.tracked, keep_outputs=self.clipping_mode == "ghost",
-                                    names=self.names)
-        self.recorder.add_handle(prove_first)
-        self.planned_dtypes = {param: param.dtype for param in self.params}  # what the probe proved
-        self.planned_names = {name for name, param in self.model.named_parameters(remove_duplicate=False)
-                              if param in self.planned_dtypes}  # a parameter replaced later is trained as before
-        if self.clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
-            take_out_of_autograd(self.params)
+        install_plan(self, self._prove_before_first_forward)
 
     def param_names(self) -> dict[nn.Parameter, str]:
         """Each parameter's dotted name in the model (for messages)."""
@@ -214,10 +151,7 @@ class PrivacyEngine:
             mid_batch = self.dp_optimizer.any_rank(mid_batch, self.dp_optimizer.device())
         if mid_batch:
             raise UserError("replan() was called in the middle of a logical batch; call it after step().")
-        self.recorder.remove()
-        self.outside_reads.remove()
-        if self.clipping_mode != "ghost":  # give autograd back what the old plan took, if still in the model
-            carry_trainable_by_name(self.model, self.params, self.planned_names)
+        remove_plan(self, replanning=True)
         self._plan()
         self.dp_optimizer.params = self.params
         if hasattr(self.dp_optimizer, "chunks"):  # FSDP2: the chunks reduce-scattered follow the new plan
@@ -255,23 +189,15 @@ class PrivacyEngine:
         """Backward pass for one (micro-)batch: adds its clipped per-example gradients to the logical batch.
 
         ``units`` (user-level DP): the privacy unit of each example; each unit's summed gradient is clipped to C as
-        one vector (``privacy/clipping/units.py``), and all of a unit's examples must come in one call. None: one unit per
-        example. Returns the whole-model gradient norms before clipping (for logging): one per unit in sorted id
-        order, or per example in batch order where every unit is one example."""
-        if per_example_loss.ndim != 1:
-            raise UserError("Pass one loss per example (a 1-D tensor, e.g. from dptext.privacy.per_example_loss), "
-                            "not a batch-averaged scalar.")
-        if units is not None and self.distributed is not None:
-            raise UserError("Per-unit clipping is not supported across processes yet (a unit split over ranks "
-                            "would be clipped once per rank); train user-level DP in one process.")
+        one vector (``privacy/clipping/units.py``), and all of a unit's examples must come in one call. None: one
+        unit per example. Returns the whole-model gradient norms before clipping (for logging): one per unit in
+        sorted id order, or per example in batch order where every unit is one example."""
+        check_loss(self, per_example_loss, units)
         unit_ids = unit_index(units, per_example_loss.numel(), per_example_loss.device)  # checked before recorded
         self.batch_units.add(units, per_example_loss.numel())
         if per_example_loss.numel() == 0:
             self.recorder.take_uses()
             return per_example_loss.detach().float()
-        if not per_example_loss.requires_grad:
-            raise UserError("The loss does not depend on any trainable layer; check that the model forward "
-                            "ran with gradients enabled after the engine was created.")
         check_no_foreign_backward(self)
         if self.clipping_mode == "ghost":
             return ghost_backward(self, per_example_loss, unit_ids)
@@ -312,8 +238,9 @@ class PrivacyEngine:
         return make_sampler(self.dataset_size, self.sample_rate, steps, self.root, self.sampling, self.distributed)
 
     def user_sampler(self, users: list[list[int]], max_examples_per_user: int, steps: int) -> UserPoissonSampler:
-        """User-level Poisson batches (``privacy/sampling/user_sampler.py``) at this engine's rate, from its sampler stream:
-        the engine's dataset_size must count users (q is over users); pass each batch's ``users`` as ``units``."""
+        """User-level Poisson batches (``privacy/sampling/user_sampler.py``) at this engine's rate, from its sampler
+        stream: the engine's dataset_size must count users (q is over users); pass each batch's ``users`` as
+        ``units``."""
         if self.dataset_size != len(users):
             raise UserError(f"The engine is accounted for {self.dataset_size} units but {len(users)} users were "
                             "given; build it with dataset_size = the number of users (q is over users).")
@@ -350,19 +277,8 @@ class PrivacyEngine:
                 "sampling": self.sampling, "matches_accounting": self.sampling == "poisson"}
 
     def mechanism(self) -> dict[str, Any]:
-        """What the guarantee is about: its unit, the sensitivity, where the noise is added."""
-        processes, k = self.distributed.world_size if self.distributed else 1, self.max_examples_per_user
-        unit = {"unit": "example", "guarantee": "example-level (ε, δ); clipping unit: one example, sensitivity C"}
-        if k is not None:  # the user sampler's batches: q over users, ≤ k examples each, clipped together
-            unit = {"unit": "user", "max_examples_per_user": k, "guarantee": f"user-level (ε, δ); clipping unit: one "
-                    f"user's sampled examples (at most {k}) summed, sensitivity C; q over users"}
-        return {"method": "dp_sgd", **unit, "sensitivity": self.max_grad_norm, "processes": processes,
-                "noise": "N(0, σ²C²) once per step" + (noise_site(self.distributed) if processes > 1 else ""),
-                "sampling": self.sampling, "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
-                "clipping_verified": self.verified,
-                "clipping": "exact: the start-up probe compared it with brute-force per-example autograd" if
-                self.verified else "NOT VERIFIED: the start-up probe has not run" + (
-                    " (verify=False); exactness rests on the layer rules alone" if not self.verify_first else "")}
+        """What the guarantee is about: its unit, the sensitivity, where the noise is added (``settings``)."""
+        return describe_mechanism(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Steps taken and the noise generators' states (the wrapped optimizer is saved by its owner)."""
@@ -374,9 +290,6 @@ class PrivacyEngine:
 
     def detach(self) -> None:
         """Remove the hooks, give the parameters back to autograd and FSDP2 its own gradient reduction."""
-        self.recorder.remove()
-        self.outside_reads.remove()
         self._step_guard.remove()
         self.dp_optimizer.release()
-        if self.clipping_mode != "ghost":  # ghost never took them; a layer frozen since keeps its choice
-            give_back(self.params)
+        remove_plan(self, replanning=False)

@@ -2,6 +2,8 @@
 
 - ``plan``: which modules the engine tracks, with which rule (``dptext.privacy.norms``), and what the probe must prove.
 - ``capture``: the hooks that record each tracked layer's inputs and output gradients per call.
+- ``use``: one recorded call of a tracked layer (what ``capture`` records and ``sums`` reads).
+- ``owned_params``: the planned parameters book-keeping takes out of autograd, and a freeze seen since.
 - ``units``: privacy units — the rows that one clipping factor covers (examples, or users under user-level DP).
 - ``sums``: from recorded uses to per-example norms, clipping coefficients and clipped sums.
 - ``clipped_step``: one (micro-)batch's backward pass to clipped sums, in each clipping mode.

@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor, nn
 
-from dptext.privacy.clipping.capture import Use
+from dptext.privacy.clipping.use import Use
 from dptext.privacy.norms import inner_product
 from dptext.privacy.norms.linear import shared_input_grams
 from dptext.privacy.clipping.units import UnitIndex, coefficients_per_row, unit_norm_sq_per_parameter

@@ -94,6 +94,20 @@ def invariant_failed(name: str | None, why: str) -> UserError:
                      "use clipping_mode='per_sample' meanwhile.")
 
 
+def check_loss(engine, per_example_loss: Tensor, units: Tensor | None) -> None:
+    """What ``accumulate`` is given: one loss per example that depends on a trained layer (an empty micro-batch
+    need not), and no units across processes."""
+    if per_example_loss.ndim != 1:
+        raise UserError("Pass one loss per example (a 1-D tensor, e.g. from dptext.privacy.per_example_loss), "
+                        "not a batch-averaged scalar.")
+    if units is not None and engine.distributed is not None:
+        raise UserError("Per-unit clipping is not supported across processes yet (a unit split over ranks "
+                        "would be clipped once per rank); train user-level DP in one process.")
+    if per_example_loss.numel() and not per_example_loss.requires_grad:
+        raise UserError("The loss does not depend on any trainable layer; check that the model forward "
+                        "ran with gradients enabled after the engine was created.")
+
+
 def check_no_foreign_backward(engine) -> None:
     """Before the engine's own backward pass: no recorded layer use may hold a gradient yet. One that does was
     reached by a backward pass the engine did not issue (the user's loss.backward(), an input-saliency or
@@ -141,6 +155,23 @@ def _changed_since_plan(engine, param, present: set) -> str | None:
         return (f"changed dtype from {engine.planned_dtypes[param]} to {param.dtype} after the privacy engine "
                 "planned its clipping (the probe proved it at the old one)")
     return None
+
+
+def refuse_foreign_step(engine, optimizer, args: tuple, kwargs: dict) -> None:
+    """The step pre-hook on the optimizer handed to the engine: it updates only on the engine's privatized
+    gradients, in every mode (a plain loss.backward() + optimizer.step() in ghost mode applied raw gradients)."""
+    # A step at learning rate 0 with no gradient changes nothing: torch.distributed.checkpoint creates optimizer
+    # state that way (zero gradients, lr 0) before loading a sharded checkpoint. With a gradient it is not inert:
+    # momentum and Adam's moments would take in raw gradients that a later step applies.
+    if engine.dp_optimizer.updating:  # the engine's own update: nothing to scan (no per-step cost)
+        return
+    inert = all(float(group.get("lr", 1.0)) == 0.0 and all(p.grad is None or not bool(p.grad.any())
+                                                             for p in group["params"])
+                for group in optimizer.param_groups)
+    if not inert:
+        raise UserError("The optimizer given to the privacy engine was stepped directly, which would apply "
+                        "gradients the engine did not clip or noise; call engine.step() instead (or "
+                        "engine.detach() to train without privacy).")
 
 
 def parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:

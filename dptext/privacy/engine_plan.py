@@ -1,0 +1,58 @@
+"""The privacy engine's plan (``PrivacyEngine._plan``, ``replan``, ``detach``): the layers tracked and their rules,
+the hooks that record them (the start-up proof's first), the snapshots the per-step checks compare against (global
+hooks, planned dtypes and names), and the parameters taken out of autograd — installed together, removed together.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from dptext.errors import UserError
+from dptext.privacy.clipping.capture import UseRecorder
+from dptext.privacy.clipping.owned_params import carry_trainable_by_name, give_back, take_out_of_autograd
+from dptext.privacy.clipping.plan import (_check_optimizer, _module_names, find_tracked_modules, global_hook_keys,
+                                          unproven_rules)
+from dptext.privacy.proof.outside_reads import OutsideReads
+from dptext.privacy.sharding.fsdp_controls import whole_weights
+
+
+def install_plan(engine, prove_first_hook: Callable) -> None:
+    """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
+    engine.names = _module_names(engine.model)
+    with whole_weights(engine.model):  # FSDP2: layers are matched to their rules on the gathered weights
+        engine.tracked = find_tracked_modules(engine.model, engine.clipping_mode, engine._learned_layouts)
+    engine.params = list(dict.fromkeys(module.get_parameter(name) for module, (_, names) in engine.tracked.items()
+                                       for name in names))
+    if not engine.params:
+        raise UserError("The model has no trainable parameters; unfreeze the layers to fine-tune.")
+    _check_optimizer(engine.optimizer, engine.params, engine.param_names())
+    engine.unproven = unproven_rules(engine.model, engine.tracked)
+    engine.global_hooks = global_hook_keys()
+    # ghost mode's second pass is autograd over every path: check each step that there is no other one
+    # (installed before the recorder, which takes its hooks as the planned ones)
+    engine.outside_reads = OutsideReads(engine.model, engine.tracked if engine.clipping_mode == "ghost" else {})
+    # the proof's hook first: it runs before the recorder's own hooks see the call (and is part of the plan
+    # the recorder snapshots, so a tracked root does not read it as a foreign hook added later)
+    prove_first = engine.model.register_forward_pre_hook(prove_first_hook, prepend=True)
+    engine.recorder = UseRecorder(engine.model, engine.tracked, keep_outputs=engine.clipping_mode == "ghost",
+                                  names=engine.names)
+    engine.recorder.add_handle(prove_first)
+    engine.planned_dtypes = {param: param.dtype for param in engine.params}  # what the probe proved
+    engine.planned_names = {name for name, param in engine.model.named_parameters(remove_duplicate=False)
+                            if param in engine.planned_dtypes}  # a parameter replaced later is trained as before
+    if engine.clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
+        take_out_of_autograd(engine.params)
+
+
+def remove_plan(engine, replanning: bool) -> None:
+    """Remove the plan's hooks and give autograd back what it took: for ``replan`` what is still in the model (a
+    parameter that replaced a planned one by name is trained again), for ``detach`` all of it; a layer frozen since
+    the plan stays frozen. Ghost clipping never took the parameters."""
+    engine.recorder.remove()
+    engine.outside_reads.remove()
+    if engine.clipping_mode == "ghost":
+        return
+    if replanning:
+        carry_trainable_by_name(engine.model, engine.params, engine.planned_names)
+    else:
+        give_back(engine.params)
