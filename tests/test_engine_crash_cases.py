@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from arch_cases import BY_NAME, SITUATIONS, Situation, _arch, build, compare, engine_result, make_batch, prepare, run_cell
+from arch_cases import (BY_NAME, SITUATIONS, Situation, _arch, build, compare, engine_result, make_batch, prepare,
+                        run_cell)
 from arch_cases import brute_force as loop_brute_force
 from dptext.errors import UserError
 from dptext.privacy import PrivacyEngine
