@@ -65,7 +65,7 @@ def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = No
             norms_sq = clipping.norm_sq_per_parameter(uses, units)
             coef, norms = coefficients(engine, norms_sq)
             if _sharded(engine):
-                reduce_bookkeeping(engine, uses, coef, units, norms_sq, norms, count)
+                reduce_bookkeeping(engine, uses, coef, units, norms, count)
                 return norms
             # the probe compares only its representatives' sums (proof.patterns): the others are not formed
             only = engine.probe_compared if engine.recorder.probing else None
@@ -81,11 +81,10 @@ def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = No
     return norms
 
 
-def reduce_bookkeeping(engine, uses: list, coef, units: UnitIndex | None, norms_sq, norms, count: int) -> None:
+def reduce_bookkeeping(engine, uses: list, coef, units: UnitIndex | None, norms, count: int) -> None:
     """FSDP2, book-keeping: the clipped sums formed and reduce-scattered a chunk of layers at a time
     (``sharding.row_reduce``), so no full-size sum is held; the bound on them is checked at the step, over every
-    rank's rows (the norms are checked here)."""
-    engine.last_norms_sq = norms_sq if engine.recorder.probing else None
+    rank's rows (the norms are checked here). The probe never runs on a sharded model (``proof.verify``)."""
     check_invariant(engine, {}, norms, count)
     by_param: dict = {}
     for use in uses:

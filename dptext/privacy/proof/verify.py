@@ -34,6 +34,7 @@ from dptext.privacy.proof.independence import with_row
 from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
+from dptext.privacy.sharding.sharded import is_sharded
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
                     "model's synthetic batch ({}; e.g. an input changed in place after a layer read it, or "
@@ -192,7 +193,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
 
     ``dtype``: the probe's precision ("auto": ``probe_dtype``; None: the model's own)."""
     model = engine.model
-    if any(hasattr(param, "device_mesh") for param in engine.params):  # FSDP2's DTensor shards
+    if any(is_sharded(param) for param in engine.params):  # FSDP2's DTensor shards
         raise UserError(SHARDED)
     make_batch = make_batch or synthetic_token_batch(model)
     loss_fn = loss_fn or output_functional_loss

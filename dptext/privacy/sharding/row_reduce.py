@@ -67,16 +67,16 @@ def local_rows(param: Tensor, rank: int, world_size: int) -> tuple[int, int]:
 
 def reduce_rows(params: list[nn.Parameter], totals: dict[nn.Parameter, Tensor], rank: int,
                 world_size: int) -> dict[nn.Parameter, Tensor]:
-    """This rank's rows of Σ_ranks ``totals[p]`` for each p in ``params`` (a missing total counts as zeros), in
-    fp32, by one ``reduce_scatter`` over a send buffer holding rank r's rows of every parameter side by side. The
-    totals are consumed (popped) as they are copied in."""
+    """This rank's rows of Σ_ranks ``totals[p]`` for each p in ``params`` (FSDP2 shards; a missing total counts as
+    zeros), in fp32, by one ``reduce_scatter`` over a send buffer holding rank r's rows of every parameter side by
+    side. The totals are consumed (popped) as they are copied in."""
     layout, width = [], 0
     for param in params:
         rows = param.shape[0] if param.ndim else 1
         per_rank = -(-rows // world_size)
         layout.append((param, rows, per_rank, param.numel() // max(rows, 1)))
         width += per_rank * layout[-1][3]
-    device = params[0].to_local().device if hasattr(params[0], "to_local") else params[0].device
+    device = params[0].to_local().device
     send = torch.zeros(world_size, width, dtype=torch.float32, device=device)
     offset = 0
     for param, rows, per_rank, row_size in layout:
@@ -96,8 +96,7 @@ def reduce_rows(params: list[nn.Parameter], totals: dict[nn.Parameter, Tensor], 
     out, offset = {}, 0
     for param, rows, per_rank, row_size in layout:
         _, count = local_rows(param, rank, world_size)
-        shape = param.to_local().shape if hasattr(param, "to_local") else (count, *param.shape[1:])
-        out[param] = mine[offset:offset + count * row_size].view(shape)
+        out[param] = mine[offset:offset + count * row_size].view(param.to_local().shape)
         offset += per_rank * row_size
     return out
 

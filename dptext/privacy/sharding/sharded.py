@@ -200,12 +200,12 @@ class ShardedDPOptimizer(DPOptimizer):
 
 def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool) -> ShardedDPOptimizer:
     """The engine's DP optimizer over FSDP2-sharded parameters, its noise key shared from rank 0."""
-    unsharded = [name for param, name in engine.param_names().items() if param in set(engine.params)
-                 and not is_sharded(param)]
+    params = set(engine.params)
+    planned = {param: name for param, name in engine.param_names().items() if param in params}
+    unsharded = [name for param, name in planned.items() if not is_sharded(param)]
     if unsharded:
         raise ValueError(f"parameter '{unsharded[0]}' is not sharded; build the engine after fully_shard")
-    other_layout = [name for param, name in engine.param_names().items() if param in set(engine.params)
-                    and not rows_sharded(param)]
+    other_layout = [name for param, name in planned.items() if not rows_sharded(param)]
     if other_layout:  # the clipped sums are reduce-scattered by rows (row_reduce); columns would get rows' values
         raise UserError(f"Parameter '{other_layout[0]}' is sharded by FSDP2 on another dimension than its rows "
                         "(a shard_placement_fn, or a 2-D mesh); the privacy engine reduces clipped sums by rows "
