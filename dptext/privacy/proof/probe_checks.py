@@ -72,6 +72,7 @@ def engine_forward(engine, report, batch, loss_fn, device):
         expanded = {module for module, _, _ in recorder.expansions}
         recorder.take_uses()
         if not expanded:
+            plain_loss(engine, batch, loss_fn, device)  # the model's own forward fails: ReferenceFailed says so
             raise
         for module in expanded:
             report.refuse(module, f"broadcasting its batch-1 input to the batch breaks the model's forward "
@@ -176,6 +177,22 @@ BUFFER_CHANGED = ("buffer '{}': a training forward changes it (running statistic
                   "remove it")
 
 
+def compared_examples(batch: dict[str, Any], examples: int | None) -> set[int]:
+    """The examples whose gradients the numeric comparison takes: the first (full length) and the one with the
+    fewest real positions (the most padding). The batch keeps all its rows in every forward (the shapes B ≠ T and
+    B = T are what the probe is about) and the redraws re-draw every example; the others' losses are weighted by 0
+    in the engine's pass, so their exact gradient is 0 and any norm or sum the engine gives them is a path that
+    moves gradient between examples. Two examples, not all: each example's brute-force gradient is one backward
+    pass over the whole model, which made up half of the probe's time (docs/privacy_engine.md)."""
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if examples is None:
+        examples = len(next(v for v in batch.values() if isinstance(v, Tensor)))
+    if not isinstance(mask, Tensor) or mask.ndim < 2 or len(mask) != examples:
+        return set(range(min(examples, 2)))
+    lengths = mask.reshape(examples, -1).sum(dim=1)
+    return {0, int(torch.argmin(lengths[1:]).item()) + 1} if examples > 1 else {0}
+
+
 def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> None:
     """One synthetic batch; ``redraw(j)`` gives it with example j re-drawn (None: one example, nothing to check).
 
@@ -189,31 +206,39 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
     def stop(loss_checked: bool = True) -> None:
         """An early finding: interacting examples and a failing reference still speak first."""
         if redraw is not None and loss_checked and not report.loss_problem:
-            check_loss_independence(engine, report, batch, redraw, loss_fn, device, loss_plain)
-        reference_gradients(engine, batch, loss_fn, device, compared)  # raises ReferenceFailed if it fails
+            baseline = plain_loss(engine, batch, loss_fn, device)  # the redraws' losses are computed this way
+            check_loss_independence(engine, report, batch, redraw, loss_fn, device, baseline)
+        reference_gradients(engine, batch, loss_fn, device, compared,  # raises ReferenceFailed if it fails
+                            examples=compared_examples(batch, None))
 
+    # The hooked forward is also the probe's training forward: buffers it changes and the loss's shape are checked
+    # on it (a separate plain forward for them cost two of the probe's ~26 passes over the model).
     before = buffer_snapshot(engine.model)
-    loss_plain = plain_loss(engine, batch, loss_fn, device)
-    changed = changed_buffer(engine.model, before)
-    if changed is not None:
-        report.state_problem = BUFFER_CHANGED.format(changed)
-        return stop(loss_checked=False)
-    examples = batch["input_ids"].shape[0] if "input_ids" in batch else len(loss_plain)
-    if loss_plain.ndim != 1 or len(loss_plain) != examples:
-        report.loss_problem = (f"the loss has shape {tuple(loss_plain.shape)} for {examples} examples; return one "
-                               "loss per example (dptext.privacy.per_example_loss)")
-        return stop(loss_checked=False)
     forward = engine_forward(engine, report, batch, loss_fn, device)
     if forward is None:
         return stop()
     loss, uses = forward
+    changed = changed_buffer(engine.model, before)
+    if changed is not None:
+        report.state_problem = BUFFER_CHANGED.format(changed)
+        engine.recorder.take_uses()
+        return stop(loss_checked=False)
+    examples = batch["input_ids"].shape[0] if "input_ids" in batch else len(loss)
+    if loss.ndim != 1 or len(loss) != examples:
+        report.loss_problem = (f"the loss has shape {tuple(loss.shape)} for {examples} examples; return one "
+                               "loss per example (dptext.privacy.per_example_loss)")
+        engine.recorder.take_uses()
+        return stop(loss_checked=False)
     if report.refused() or report.loss_problem:
         engine.recorder.take_uses()
         return stop()
     rows_before = [(use.module, _first_tensor(use.activation)) for use in uses]
     engine.probe_compared = set(compared)  # the other layers' clipped sums are not formed (none is compared)
+    chosen = compared_examples(batch, len(loss))
+    weights = torch.zeros(len(loss), dtype=loss.dtype, device=loss.device)
+    weights[sorted(chosen)] = 1
     try:
-        engine.accumulate(loss)
+        engine.accumulate(loss * weights)
     except UserError:  # e.g. non-finite norms: if plain autograd fails too, that is the finding (and the
         stop()         # fp64 probe retries in the model's own dtype)
         raise
@@ -223,7 +248,7 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
     engine.zero_grad()
     compared_set = set(compared)
     rest = {p: n for p, n in (norms_sq or {}).items() if p not in compared_set}
-    reference = reference_gradients(engine, batch, loss_fn, device, compared, rest)
+    reference = reference_gradients(engine, batch, loss_fn, device, compared, rest, chosen)
     if not same_values(loss.detach(), reference.loss):
         for module, _, _ in engine.recorder.expansions:
             report.refuse(module, "broadcasting its batch-1 input to the batch changes the model's output")

@@ -46,6 +46,8 @@ class Reference:
     """Plain per-example autograd without the engine's hooks, for one probe batch: the loss, each example's squared
     gradient norm per compared parameter, and Σ_i c_i·g_i with the engine's C and layout.
 
+    ``examples`` (None: every one) are the examples whose gradients are taken; the engine's pass weighted the
+    others' losses by 0, so their exact gradient is 0, which is what they count as here (``probe_checks``).
     ``params`` are the parameters compared (those of one representative layer per use pattern,
     ``dptext.privacy.proof.patterns``); ``other_norms_sq`` the engine's per-example squared norms of the rest,
     which complete each example's whole-model norm in the all-layer layout (they come from the same rules on the
@@ -55,7 +57,7 @@ class Reference:
     36M-parameter Llama, 9.2 without (``benchmarks/probe_memory.py``)."""
 
     def __init__(self, engine, batch, loss_fn, device, params: list[nn.Parameter],
-                 other_norms_sq: dict[nn.Parameter, Tensor] | None = None):
+                 other_norms_sq: dict[nn.Parameter, Tensor] | None = None, examples: set[int] | None = None):
         params = list(params)
         others = other_norms_sq or {}
         squares: list[dict[nn.Parameter, Tensor]] = []
@@ -66,6 +68,9 @@ class Reference:
                 loss = loss_fn(engine.model, batch)
             self.loss = loss.detach()
             for i in range(len(loss) if loss.ndim == 1 else 0):
+                if examples is not None and i not in examples:  # weighted 0 in the engine's pass: its exact
+                    squares.append({p: loss.new_zeros(1, dtype=torch.float64) for p in params})  # gradient is 0
+                    continue
                 row = _example_gradient(loss[i], params)
                 norms = {p: squared_norm(g) for g, p in zip(row, params)}
                 if not all(bool(torch.isfinite(n)) for n in norms.values()):
@@ -111,10 +116,11 @@ def squared_norm(gradient: Tensor) -> Tensor:
     return torch.cat(parts).double().pow(2).sum().reshape(1)
 
 
-def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=None) -> Reference:
-    """The reference for one probe batch (``Reference``); a failure of plain autograd is ``ReferenceFailed``."""
+def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=None, examples=None) -> Reference:
+    """The reference for one probe batch (``Reference``); a failure of plain autograd is ``ReferenceFailed``.
+    ``examples``: the examples whose gradients are taken (None: all); the others count with gradient 0."""
     try:
-        return Reference(engine, batch, loss_fn, device, params, other_norms_sq)
+        return Reference(engine, batch, loss_fn, device, params, other_norms_sq, examples)
     except RuntimeError as error:
         if isinstance(error, ReferenceFailed):
             raise
