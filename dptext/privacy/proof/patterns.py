@@ -17,8 +17,9 @@ The key also holds each module's plain instance settings up the chain (``instanc
 on them, so Gemma's sliding-window and global layers are two patterns, and a block with ``self.mix = True`` is not
 the pattern-mate of one without. The block index (``layer_idx``) is left out: transformers use it to index caches
 and per-layer config lists, and keeping it would make every block its own pattern.
-Everything the probe checks structurally (in-place changes, rows that are not examples, expansions, parameters
-read outside their module, row and loss independence, buffers) still runs on every layer of the full model.
+The same argument, lifted from a layer to its block, lets the probe run its numeric part on each block stack cut
+after its last block that differs (``proof.stack``); the whole model keeps one hooked forward per shape (in-place
+changes, expansions, parameters read outside their module, buffers) and its examples' loss independence.
 """
 
 from __future__ import annotations

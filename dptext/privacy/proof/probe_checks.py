@@ -177,6 +177,15 @@ BUFFER_CHANGED = ("buffer '{}': a training forward changes it (running statistic
                   "remove it")
 
 
+def loss_shape_problem(batch: dict[str, Any], loss: Tensor) -> str | None:
+    """Why the loss is not one entry per example of ``batch``, or None."""
+    examples = batch["input_ids"].shape[0] if "input_ids" in batch else len(loss)
+    if loss.ndim == 1 and len(loss) == examples:
+        return None
+    return (f"the loss has shape {tuple(loss.shape)} for {examples} examples; return one loss per example "
+            "(dptext.privacy.per_example_loss)")
+
+
 def compared_examples(batch: dict[str, Any], examples: int | None) -> set[int]:
     """The examples whose gradients the numeric comparison takes: the first (full length) and the one with the
     fewest real positions (the most padding). The batch keeps all its rows in every forward (the shapes B ≠ T and
@@ -223,10 +232,8 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
         report.state_problem = BUFFER_CHANGED.format(changed)
         engine.recorder.take_uses()
         return stop(loss_checked=False)
-    examples = batch["input_ids"].shape[0] if "input_ids" in batch else len(loss)
-    if loss.ndim != 1 or len(loss) != examples:
-        report.loss_problem = (f"the loss has shape {tuple(loss.shape)} for {examples} examples; return one "
-                               "loss per example (dptext.privacy.per_example_loss)")
+    report.loss_problem = loss_shape_problem(batch, loss)
+    if report.loss_problem:
         engine.recorder.take_uses()
         return stop(loss_checked=False)
     if report.refused() or report.loss_problem:

@@ -34,6 +34,7 @@ from dptext.privacy.proof.independence import with_row
 from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
+from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.sharding.sharded import is_sharded
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
@@ -188,10 +189,21 @@ def engine_hooks(engine: Any) -> set[int]:
     return {handle.id for handle in handles if hasattr(handle, "id")}  # a model patch is no hook
 
 
-def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype: Any = "auto") -> ProbeReport:
+def reset(report: ProbeReport, engine: Any) -> None:
+    """Forget a probe attempt's findings before another one (the whole stack, the model's own dtype)."""
+    engine.zero_grad()
+    for row in report.rows.values():
+        row.status, row.why = "not reached", ""
+    report.loss_problem = report.state_problem = None
+
+
+def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype: Any = "auto",
+          cut_stacks: bool = True) -> ProbeReport:
     """Verify ``engine`` on synthetic batches; returns the per-layer report (see the module docstring).
 
-    ``dtype``: the probe's precision ("auto": ``probe_dtype``; None: the model's own)."""
+    ``dtype``: the probe's precision ("auto": ``probe_dtype``; None: the model's own). ``cut_stacks``: after the
+    first shape on the whole model, run the others on each block stack cut after its last block that differs
+    (``proof.stack``); False runs every shape on the whole model."""
     model = engine.model
     if any(is_sharded(param) for param in engine.params):  # FSDP2's DTensor shards
         raise UserError(SHARDED)
@@ -204,11 +216,33 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     decided_by = representatives(model, engine.tracked, engine.names, engine_hooks(engine))
     report.compared = sum(1 for module, rep in decided_by.items() if rep is module)
     was_training = model.training
+    cut = plan_cut(model, engine.tracked, decided_by, engine_hooks(engine)) if cut_stacks else None
+
+    def probe_batches(batches) -> None:
+        for batch, redraw in batches:
+            probe_one(engine, report, batch, loss_fn, device, redraw, decided_by)
+
     def run_probes(precision) -> None:
         with probe_precision(model, precision):
+            batches = []
             for number, (examples, positions) in enumerate(shapes):
                 batch, redraw = synthetic_batches(make_batch, examples, positions, number, device)
-                probe_one(engine, report, batch, loss_fn, device, redraw if examples > 1 else None, decided_by)
+                batches.append((batch, redraw if examples > 1 else None))
+            if cut is None:
+                return probe_batches(batches)
+            probe_batches(batches[:1])  # B ≠ T on the whole model: every check, at every depth
+            try:
+                with applied(cut):  # B = T on the blocks that differ (``proof.stack``)
+                    probe_batches(batches[1:])
+            except (UserError, ReferenceFailed):
+                raise
+            except Exception as error:  # noqa: BLE001 - this forward does not run on a cut stack: prove it whole
+                reset(report, engine)
+                report.notes.append(f"proved the whole stack: the model's forward fails on the cut one "
+                                    f"({type(error).__name__})")
+                return probe_batches(batches)
+            for batch, _ in batches[1:]:
+                check_whole_forward(engine, report, batch, loss_fn, device)
 
     def run_or_refuse(precision) -> None:
         try:
@@ -224,10 +258,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
             try:
                 run_probes(precision)
             except (RuntimeError, TypeError) as error:  # code that hard-wires a dtype: probe in the model's own
-                engine.zero_grad()
-                for row in report.rows.values():
-                    row.status, row.why = "not reached", ""
-                report.loss_problem = report.state_problem = None
+                reset(report, engine)
                 report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
                 run_or_refuse(None)
     except (ValueError, KeyError) as error:  # the synthetic batch lacks an input the model needs (T5's decoder ids)
