@@ -19,6 +19,7 @@ from dptext.privacy import PrivacyEngine
 from dptext.privacy.proof import verify as verify_module
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.stack import plan_cut
+from test_proof_patterns import MixRows as MixBelow  # identity forward, a backward that mixes examples
 
 
 def engine_for(model, mode="bookkeeping"):
@@ -58,18 +59,6 @@ def test_a_block_with_a_hook_is_kept_and_a_problem_in_it_is_refused():
     assert cut_of(model, engine) is None  # the last block differs from every block before it
     with pytest.raises(UserError, match="refused"):
         engine.verify()
-
-
-class MixBelow(torch.autograd.Function):
-    """Identity forward; the backward adds the next example's gradient: a mix only the numbers can see."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad + 0.5 * grad.roll(1, dims=0)
 
 
 class DeepStack(nn.Module):
