@@ -58,6 +58,17 @@ def shard(model, ctx, blocks=None):
     return model
 
 
+def refusal(action) -> str:
+    """The UserError's sentence, or "" when ``action`` went through; any other error fails the worker."""
+    from dptext.errors import UserError
+
+    try:
+        action()
+    except UserError as error:
+        return str(error)
+    return ""
+
+
 def full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from fsdp_models import N, VOCAB, FunctionalHead, full, losses, shard, tiny_lm, token_ids
+from fsdp_models import N, VOCAB, FunctionalHead, full, losses, refusal, shard, tiny_lm, token_ids
 from two_ranks import FAILURES, fails_on_rank_1, run_two_ranks
 
 C = 0.5
@@ -150,7 +150,6 @@ def ghost_reduction_guarded(ctx) -> dict:
     """One ghost engine per FSDP2 model (a second one is refused before it attaches anything; allowed again after
     detach), and a reduction changed by hand after the engine set the plain sum stops the next micro-batch on every
     rank, a rank with an empty micro-batch included."""
-    from dptext.errors import UserError
     from dptext.privacy import PrivacyEngine
     from dptext.privacy.clipping.clipped_step import ghost_join
     from dptext.privacy.sharding.fsdp_controls import fsdp_modules
@@ -161,13 +160,6 @@ def ghost_reduction_guarded(ctx) -> dict:
         return PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                              max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
                              distributed=ctx, verify=False)
-
-    def refusal(action) -> str:
-        try:
-            action()
-        except UserError as error:
-            return str(error)
-        return ""
 
     def hooks() -> int:
         return sum(len(module._forward_hooks) for module in model.modules())

@@ -5,8 +5,9 @@ One launch (this file run as a script with torchrun's environment) runs every ca
 (rank 1 owns none of it), the step's bound over every rank's rows (C shrunk after clipping: refused on both ranks,
 both layouts, book-keeping and per_sample), a non-finite example on one rank and a per_sample micro-batch refused
 on one rank (refused on both, no hang), LoRA-shaped adapters beside frozen layers a layer per chunk in both
-layouts, a layer unfrozen by ``replan()`` after the engine was built, and FSDP2 sharding a weight on dim 1
-(``shard_placement_fn``).
+layouts, a layer unfrozen by ``replan()`` after the engine was built, FSDP2 sharding a weight on dim 1
+(``shard_placement_fn``), and what a user changes after the engine was built (``fsdp_changes``: a layer frozen, a
+foreign backward pass or optimizer step, a parameter replaced, a global hook), refused on both ranks as in one process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from fsdp_changes import (CHANGES, DELTA, FREEZES, FROZEN, SIGMA, changed_after_the_engine, class_round_trip,
+                          frozen_after_the_engine)
 from fsdp_models import N, TinyLM, full, losses, shard, tiny_lm, token_ids
 from test_fsdp import refused_on_one_rank
 from two_ranks import FAILURES, run_two_ranks
@@ -179,6 +182,10 @@ def worker(out: Path) -> None:
         "probe_sharded": {mode: outcome(lambda: probe_sharded(ctx, mode)) for mode in (*MODES, "ghost")},
         "refused": {failure: refused_on_one_rank(ctx, "per_sample", failure) for failure in FAILURES},
         "adapted": {layout: adapted_update(layout, ctx, mine) for layout in ("all_layer", "per_layer")},
+        "frozen": {case: frozen_after_the_engine(ctx, *case) for case in FREEZES},
+        "round_trip": class_round_trip(ctx),
+        "changed": {(mode, change): changed_after_the_engine(ctx, mode, change)
+                    for mode in (*MODES, "ghost") for change in CHANGES},
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -258,6 +265,44 @@ def test_a_weight_sharded_on_dim_1_is_refused(two_ranks):
     for rank in two_ranks:
         verdict, got = rank["dim1"]
         assert verdict == "refused" and "Shard(0)" in str(got), got
+
+
+@pytest.mark.parametrize("case", FREEZES, ids=["-".join(case) for case in FREEZES])
+def test_a_layer_frozen_after_the_engine_is_refused_then_left_alone_under_fsdp2(two_ranks, case):
+    from dptext.accounting import StepRun, compute_epsilon
+
+    for rank in two_ranks:
+        got = rank["frozen"][case]
+        before, refused, after = got["before"], got["refused"], got["after"]
+        assert "was frozen after the privacy engine planned" in refused["refusal"], refused["refusal"]
+        assert FROZEN in refused["refusal"]
+        assert all(torch.equal(refused["unchanged"][name], before[name]) for name in before)  # nothing applied
+        assert refused["steps"] == 0 and got["still_frozen"]
+        for name in before:  # after replan() and a noisy step: the frozen layer bit-identical, every other one moved
+            assert torch.equal(after[name], before[name]) == name.startswith(FROZEN), name
+        expected = compute_epsilon("rdp", [StepRun(got["sample_rate"], SIGMA, 1)], DELTA).guaranteed
+        assert got["steps"] == 1 and got["epsilon"] == expected  # the refused step was not accounted
+    first, second = (rank["frozen"][case]["after"] for rank in two_ranks)
+    assert all(torch.equal(first[name], second[name]) for name in first)  # one model on both ranks
+
+
+def test_the_engines_dtensor_class_stays_with_the_engine(two_ranks):
+    for rank in two_ranks:
+        got = rank["round_trip"]
+        assert got["planned_class"] == "EngineDTensor"
+        assert got["copy"] and got["pickle"] and got["detached"] and got["freeze_kept"], got
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("mode", (*MODES, "ghost"))
+def test_a_change_after_the_engine_is_refused_on_both_ranks_as_in_one_process(two_ranks, mode, change):
+    for rank in two_ranks:
+        got = rank["changed"][(mode, change)]
+        assert CHANGES[change][1] in got["refusal"], got["refusal"]
+        assert got["unchanged"]
+        if change == "foreign backward":  # dropped whole: the next step is a clean step, no raw gradient left
+            assert any(delta.abs().max() > 0 for delta in got["next"].values())
+            assert_same(got["next"], got["clean"], mode)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,19 @@ autograd already has it off is kept as a *freeze* (``frozen_since_plan``), which
 ``engine.replan()``. Reading ``requires_grad`` still gives autograd's own flag, so code that saves and restores
 it (the probe's brute-force reference, a checkpoint reader) is unchanged and never reads as a freeze.
 
-Ghost clipping leaves the flags alone: there a frozen parameter is simply one whose flag went False. Parameters
-of another class (FSDP2's DTensor shards, quantised weights) keep their class, and a freeze after the plan is not
-seen for them in book-keeping and per_sample.
+FSDP2's sharded parameters are DTensors (FSDP2 copies their ``requires_grad`` to the gathered weights): they
+are given ``EngineDTensor``, a DTensor subclass that records a freeze the same way and is dispatched as a DTensor
+(its operations return plain DTensors). Ghost clipping leaves the flags alone: there a frozen parameter is simply
+one whose flag went False. Parameters of any other class (quantised weights) keep their class, and a freeze after
+the plan is not seen for them in book-keeping and per_sample.
 """
 
 from __future__ import annotations
+
+import copy
+import functools
+import sys
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -30,8 +37,10 @@ def _note(param: torch.Tensor, requires_grad: bool) -> None:
         param.__dict__[_FROZEN] = True
 
 
-class EngineParameter(nn.Parameter):
-    """A planned parameter that book-keeping or per_sample took out of autograd (see the module docstring)."""
+class _NotesFreezes:
+    """``requires_grad`` as autograd's flag, with a freeze since the plan recorded (``_note``)."""
+
+    __slots__ = ()  # adds nothing to the instance layout, so a parameter's class can be swapped for ours and back
 
     @property
     def requires_grad(self) -> bool:
@@ -46,6 +55,12 @@ class EngineParameter(nn.Parameter):
         _note(self, bool(requires_grad))
         return super().requires_grad_(requires_grad)
 
+
+class EngineParameter(_NotesFreezes, nn.Parameter):
+    """A planned parameter that book-keeping or per_sample took out of autograd (see the module docstring)."""
+
+    plain_class = nn.Parameter
+
     def __repr__(self) -> str:  # as nn.Parameter's (the class is the engine's business)
         return "Parameter containing:\n" + repr(self.detach())
 
@@ -56,12 +71,69 @@ class EngineParameter(nn.Parameter):
         return copied
 
 
+@functools.cache
+def _engine_dtensor() -> type:
+    """``EngineDTensor``, made on first use: importing DTensor costs time that unsharded runs need not spend."""
+    from torch.distributed.tensor import DTensor
+
+    class EngineDTensor(_NotesFreezes, DTensor):
+        """An FSDP2-sharded planned parameter that book-keeping or per_sample took out of autograd. Its operations
+        go through DTensor's own ``__torch_dispatch__`` for subclasses, which runs them on plain DTensors."""
+
+        __slots__ = ()
+        plain_class = DTensor
+
+        def __deepcopy__(self, memo):  # a copy is not planned: a plain DTensor, without the mark
+            with _as_plain(self):
+                copied = copy.deepcopy(self, memo)
+            copied.__dict__.pop(_FROZEN, None)
+            return copied
+
+        def __reduce_ex__(self, protocol):  # pickled as a plain DTensor (this class is made at run time)
+            with _as_plain(self):
+                return DTensor.__reduce_ex__(self, protocol)
+
+    for supported in _foreach_lists():  # as DTensor registers itself: optimizers keep their foreach kernels
+        supported.append(EngineDTensor)
+    return EngineDTensor
+
+
+def _foreach_lists() -> list[list]:
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    return [optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types]
+
+
+@contextmanager
+def _as_plain(param: torch.Tensor):
+    engine_class = type(param)
+    param.__class__ = engine_class.plain_class
+    try:
+        yield
+    finally:
+        param.__class__ = engine_class
+
+
+def _engine_class(param: torch.Tensor) -> type | None:
+    """The engine's class for a parameter of exactly ``nn.Parameter`` or FSDP2's DTensor; None for any other (its
+    subclasses, quantised weights: they keep their class)."""
+    if type(param) is nn.Parameter:  # noqa: E721
+        return EngineParameter
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported wherever a DTensor exists
+    if dtensor is not None and type(param) is dtensor.DTensor:
+        return _engine_dtensor()
+    return None
+
+
 def take_out_of_autograd(params: list[nn.Parameter]) -> None:
     """Book-keeping and per_sample: no weight gradients from autograd; later freezes are recorded."""
     for param in params:
+        param.__dict__.pop(_FROZEN, None)  # a mark that travelled with a copy or a pickle is not this plan's
         param.requires_grad_(False)
-        if type(param) is nn.Parameter:  # noqa: E721 (exactly: subclasses and DTensor shards keep their class)
-            param.__class__ = EngineParameter
+        engine_class = _engine_class(param)
+        if engine_class is not None:
+            param.__class__ = engine_class
 
 
 def frozen_since_plan(param: nn.Parameter, clipping_mode: str) -> bool:
@@ -72,12 +144,12 @@ def frozen_since_plan(param: nn.Parameter, clipping_mode: str) -> bool:
 
 
 def give_back(params: list[nn.Parameter], keep: set | None = None) -> None:
-    """Undo ``take_out_of_autograd`` (``replan``, ``detach``): each parameter is a plain ``nn.Parameter`` again and
+    """Undo ``take_out_of_autograd`` (``replan``, ``detach``): each parameter is of its plain class again and
     requires grad unless it was frozen since the plan or is not in ``keep`` (no longer the model's)."""
     for param in params:
         frozen = bool(param.__dict__.pop(_FROZEN, False))
-        if type(param) is EngineParameter:  # noqa: E721
-            param.__class__ = nn.Parameter
+        if isinstance(param, _NotesFreezes):
+            param.__class__ = type(param).plain_class
         param.requires_grad_(not frozen and (keep is None or param in keep))
 
 
