@@ -13,7 +13,7 @@ parameters, L = 22 is 1.1B. Every (mode, L) is one child process that builds the
   on each rank and then ``fully_shard``-ed per decoder layer and at the root, as ``train.sharding: fsdp`` does; DP
   runs the default proof on the whole model first (as ``dptext finetune`` does) and reduces its clipped sums a
   chunk of layers at a time. The cap applies to the ranks together (one machine); peaks are per rank (the
-  largest, each rank's in ``rank_peak_bytes``).
+  largest, each rank's in ``rank_peak_bytes``). Rank 0 proves for both (the others wait), as finetune does.
 On the CPU the parent samples the child's resident memory and kills it above the cap (``fits: false``); the peak
 is the kernel's high-water mark (``VmHWM``), reset between the proof and the steps so each has its own. On CUDA
 the peak is ``torch.cuda.max_memory_allocated`` (reset the same way), and the cap is the device's memory: an
@@ -101,12 +101,16 @@ def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     row = {"mode": mode, "layers": layers, "parameters": parameters}
     private = mode.startswith("dp")
-    if private and ctx is not None:  # the default proof on the whole model, then fully_shard (prove_then_shard)
-        probe = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
-                              max_grad_norm=1.0, expected_batch_size=BATCH, dataset_size=1000, verify=False)
-        prove(probe, row, device)
-        probe.detach()
-        del probe
+    if private and ctx is not None:  # the default proof on the whole model by rank 0, then fully_shard (as
+        from dptext.finetune.sharding import on_first_rank  # finetune's prove_then_shard)
+
+        def proof() -> None:
+            probe = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+                                  max_grad_norm=1.0, expected_batch_size=BATCH, dataset_size=1000, verify=False)
+            prove(probe, row, device)
+            probe.detach()
+
+        on_first_rank(proof)
     if ctx is not None:
         from dptext.finetune.sharding import shard_model
 
@@ -142,8 +146,8 @@ def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
     row.update(fits=True, peak_bytes=peak_now(device), step_seconds=times[len(times) // 2])
     if ctx is not None:  # the largest over the ranks (per-rank peaks kept)
         ranks = ctx.gather(row)
-        row = {**ranks[0], **{key: max(r[key] for r in ranks) for key in
-                              ("peak_bytes", "step_seconds", "probe_seconds", "probe_peak_bytes") if key in row}}
+        row = {**ranks[0], **{key: max(r.get(key, 0) for r in ranks) for key in
+                              ("peak_bytes", "step_seconds", "probe_seconds", "probe_peak_bytes") if key in ranks[0]}}
         row["rank_peak_bytes"] = [r["peak_bytes"] for r in ranks]
     if "probe_seconds" in row:
         row["probe_steps"] = row["probe_seconds"] / row["step_seconds"]

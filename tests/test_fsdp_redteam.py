@@ -186,9 +186,27 @@ def worker(out: Path) -> None:
         "round_trip": class_round_trip(ctx),
         "changed": {(mode, change): changed_after_the_engine(ctx, mode, change)
                     for mode in (*MODES, "ghost") for change in CHANGES},
+        "first_rank": proved_on_first_rank(),
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
+
+
+PROBE_REFUSAL = "The start-up probe refused layer 'fc' (Linear): a test's refusal."
+
+
+def proved_on_first_rank() -> dict:
+    """finetune's ``on_first_rank``: which ranks ran the proof, and each rank's outcome of a refusing one."""
+    from dptext.errors import UserError
+    from dptext.finetune.sharding import on_first_rank
+
+    ran: list[int] = []
+    outcome_ok = outcome(lambda: on_first_rank(lambda: ran.append(torch.distributed.get_rank())))
+
+    def refuse() -> None:
+        raise UserError(PROBE_REFUSAL)
+
+    return {"ran": ran, "ok": outcome_ok, "refused": outcome(lambda: on_first_rank(refuse))}
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +321,14 @@ def test_a_change_after_the_engine_is_refused_on_both_ranks_as_in_one_process(tw
         if change == "foreign backward":  # dropped whole: the next step is a clean step, no raw gradient left
             assert any(delta.abs().max() > 0 for delta in got["next"].values())
             assert_same(got["next"], got["clean"], mode)
+
+
+def test_rank_0_proves_for_both_ranks_and_its_refusal_stops_both(two_ranks):
+    """Under train.sharding=fsdp the start-up proof runs on rank 0 only (the others hold no probe state and
+    wait); a refusal there is the same sentence on every rank."""
+    ranks = [rank["first_rank"] for rank in two_ranks]
+    assert [got["ran"] for got in ranks] == [[0], []]
+    assert all(got["ok"][0] == "ok" and got["refused"] == ("refused", PROBE_REFUSAL) for got in ranks)
 
 
 if __name__ == "__main__":

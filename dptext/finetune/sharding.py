@@ -77,18 +77,46 @@ def check_sharding(recipe: Any, world_size: int, probe_now: bool) -> None:
 def prove_then_shard(training_recipe: Any, task: Any, model: nn.Module, device: torch.device) -> nn.Module:
     """The start-up probe on the whole model (brute-force per-example autograd needs unsharded parameters), then
     ``fully_shard``. The probe checks the rules of each layer on this model; sharding changes where the weights
-    live between passes, not what the hooks record (FSDP2 all-gathers them for every pass; tests/test_fsdp.py)."""
+    live between passes, not what the hooks record (FSDP2 all-gathers them for every pass; tests/test_fsdp.py).
+    Every rank builds the same model from the same recipe, so the first rank proves it for all (``on_first_rank``):
+    the others hold no probe state and wait, and all of them refuse in the same sentence."""
     privacy = training_recipe.privacy
     if privacy.enabled and privacy.verify:
-        trained = [p for p in model.parameters() if p.requires_grad]
-        probe = PrivacyEngine(model, torch.optim.SGD(trained, lr=0.0), noise_multiplier=0.0,
-                              max_grad_norm=privacy.max_grad_norm, expected_batch_size=1, dataset_size=1,
-                              clipping_mode=privacy.clipping_mode, clipping_layout=privacy.clipping_layout, seed=0)
-        try:
-            verify_with_task(probe, task, model)
-        finally:
-            probe.detach()
+        def prove() -> None:
+            trained = [p for p in model.parameters() if p.requires_grad]
+            probe = PrivacyEngine(model, torch.optim.SGD(trained, lr=0.0), noise_multiplier=0.0,
+                                  max_grad_norm=privacy.max_grad_norm, expected_batch_size=1, dataset_size=1,
+                                  clipping_mode=privacy.clipping_mode, clipping_layout=privacy.clipping_layout,
+                                  seed=0)
+            try:
+                verify_with_task(probe, task, model)
+            finally:
+                probe.detach()
+
+        on_first_rank(prove)
     return shard_model(model, policy=mixed_precision(training_recipe.train.precision, device))
+
+
+def on_first_rank(prove) -> None:
+    """``prove()`` on rank 0 only; its refusal (a ``UserError``, or any error, as one sentence) is raised on every
+    rank. Without a process group it simply runs."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        prove()
+        return
+    verdict: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            prove()
+        except Exception as error:  # noqa: BLE001 - every rank must hear of it, or the others wait for ever
+            verdict[0] = str(error) if isinstance(error, UserError) else (
+                f"The start-up probe failed on rank 0 ({type(error).__name__}: {error}).")
+            dist.broadcast_object_list(verdict, src=0)
+            raise
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise UserError(verdict[0])
 
 
 def mark_verified(engine: Any) -> None:
