@@ -27,10 +27,10 @@ participations (up to min(k, ⌈n/b⌉), which is all that fit) only adds terms 
 
     sens(C)² = ‖C·1_{π₀}‖²,   π₀ = {0, b, 2b, …} ∩ [0, n), |π₀| = min(k, ⌈n/b⌉),
 
-attained by π₀ itself, so the value is exact, not only a bound. (The same reduction underlies McMahan et al.'s
-min-separation sensitivity for BLTs; the proof above is self-contained.) The conditions are checked on the n
-coefficients actually used; a C that fails them falls back to ``banded_mf.sensitivity`` (enumeration over every
-pattern, n ≤ 16) or is refused. ε then follows as for banded MF: one Gaussian mechanism of multiplier σ/sens(C).
+attained by π₀ itself, so the value is exact, not only a bound (the proof above is self-contained: the code
+relies on nothing else). The conditions are checked on the n coefficients actually used; a C that fails them
+falls back to ``banded_mf.sensitivity`` (enumeration over every pattern, n ≤ 16) or is refused. ε then follows
+as for banded MF: one Gaussian mechanism of multiplier σ/sens(C).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 As for banded strategies (``mf_strategy``), SGD at a constant learning rate applies A·(G + C⁻¹Z), A the n×n
 prefix-sum matrix, and Z's entries have variance σ²·sens(C)², so per unit of σ² the error is sens(C)²·‖A C⁻¹‖²
-in one of two senses (McMahan et al. 2024, §5; jax_privacy optimises either):
+in one of two senses:
 
 * ``mean``: the expected squared error averaged over the n prefix sums, sens² · Σ_t (n − t)·e_t² / n;
 * ``max``: that of the worst (last) prefix sum, sens² · Σ_t e_t²,
@@ -15,8 +15,8 @@ earliest pattern π₀), valid because the search runs over ω = exp(v) > 0 and 
 
 Gradient, exactly: with d = C⁻¹'s first column, ∂d/∂c_j = −shift_j(d ∗ d) (Toeplitz matrices commute), so
 ∂error/∂c_j = −2 Σ_t w_t e_t h_{t−j} with h = cumsum(d ∗ d), a correlation (FFT); ∂sens²/∂c_j = 2 Σ_{p∈π₀}
-(C·1_{π₀})_{p+j}; then ∂c_j/∂ω_i = θ_i^{j−1} and ∂c_j/∂θ_i = (j − 1)·ω_i·θ_i^{j−2}. A few thousand steps and four
-buffers take about a second, from a few starting spreads of decay times.
+(C·1_{π₀})_{p+j}; then ∂c_j/∂ω_i = θ_i^{j−1} and ∂c_j/∂θ_i = (j − 1)·ω_i·θ_i^{j−2}. Two thousand steps and four
+buffers take a few seconds, from two starting spreads of decay times.
 """
 
 from __future__ import annotations

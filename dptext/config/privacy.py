@@ -38,7 +38,7 @@ class PrivacyConfig:
         "dp_sgd", "The noise: fresh Gaussian noise each step (dp_sgd), or matrix-factorization noise (SPEC §12: "
         "step t gets (C⁻¹Z)_t for a Toeplitz strategy C optimised at start-up, mf_strategy.json): banded_mf (a "
         "b-banded C) or blt (buffered linear Toeplitz: d decaying buffers); both need sampling=cyclic; ε is that "
-        "of one Gaussian mechanism, no amplification (docs/banded_mf.md).")
+        "of one Gaussian mechanism, no amplification (docs/correlated_noise.md).")
     mf_bands: int = doc(
         8, "mechanism=banded_mf: the bands b of the strategy (b − 1 model-sized noise buffers); at most the "
         "steps per epoch round(n/B), the separation the sensitivity is proven for.", ge=1,

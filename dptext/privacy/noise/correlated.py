@@ -133,7 +133,7 @@ class BufferedNoise(FilteredNoise):
             buffers.extend(noise.clone() for _ in theta)
         else:
             for t, s in zip(theta, buffers):
-                s.mul_(t).add_(noise)
+                torch.add(noise, s, alpha=t, out=s)  # s ← θ·s + w in one pass over the buffer
         return noise
 
     def _filter_state(self) -> dict:
