@@ -90,9 +90,9 @@ RUN_ENTRIES = (
           "functions of the settings and of n; n (the number of privacy units: training records, or users under "
           "privacy.unit=user) is treated as public, as in DP-SGD accounting; a user-level run's number of records "
           "is not (it goes to diagnostics_not_private.jsonl)", dp_result=True),
-    Entry("mf_strategy.json", PUBLIC, "privacy.mechanism=banded_mf: the strategy's coefficients, bands, steps and "
-          "participation schema", "optimised from the recipe, the step count and n alone (n treated as public, "
-          "as in ledger.json); no record is read"),
+    Entry("mf_strategy.json", PUBLIC, "privacy.mechanism=banded_mf or blt: the strategy's coefficients (BLT: c0, "
+          "ω, θ), steps and participation schema", "optimised from the recipe, the step count and n alone (n "
+          "treated as public, as in ledger.json); no record is read"),
     Entry("metrics.jsonl", COVERED, "per logged step: step, epoch, ε spent; evaluation metrics",
           "ε depends on the settings only; evaluation scores are post-processing of the DP model on the "
           "evaluation split (which is not a training set: ε says nothing about its records)", dp_result=True),

@@ -4,7 +4,6 @@ refused (dptext/privacy/mf_engine.py, noise/correlated.py, sampling/cyclic.py)."
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -16,9 +15,9 @@ from dptext.accounting.banded_mf import Participation, allowed_patterns, gaussia
 from dptext.accounting.mf_strategy import optimize_banded
 from dptext.errors import UserError
 from dptext.models import load_model
-from dptext.privacy import per_example_loss
 from dptext.privacy.mf_engine import BandedMFEngine
 from dptext.privacy.sampling.cyclic import CyclicBinSampler
+from mf_cases import check_lifecycle_refusals, noise_of_steps, release_of
 
 COEFFS = [1.0, -0.5, 0.3]
 
@@ -29,15 +28,6 @@ def noise_engine(coefficients=COEFFS, steps=6, bins=3, seed=5, coordinates=20000
     engine = BandedMFEngine(model, optimizer, noise_multiplier=sigma, max_grad_norm=clip, dataset_size=30,
                             steps=steps, bins=bins, coefficients=coefficients, seed=seed, verify=False)
     return engine, model
-
-
-def noise_of_steps(engine, steps: int) -> np.ndarray:
-    """Each step's added noise (the privatized gradient of an empty batch, times B): steps × coordinates."""
-    rows = []
-    for _ in range(steps):
-        grads = engine.dp_optimizer.privatized_grads()
-        rows.append(torch.cat([g.flatten() for g in grads.values()]).double().numpy() * engine.expected_batch_size)
-    return np.stack(rows)
 
 
 def test_noise_covariance_across_steps_is_the_strategys():
@@ -90,30 +80,10 @@ def test_cyclic_bins_give_exactly_the_accounted_participation():
     assert list(resumed) == list(sampler)[6:]
 
 
-def tiny_causal_batch(ids: torch.Tensor) -> dict:
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-def release_of(base: nn.Module, dataset: dict[int, torch.Tensor], drop: int | None, steps: int, bins: int,
-               coefficients):
-    """C·G for the clipped sums G of each step (σ = 0, lr = 0: the weights stay put), without example ``drop``.
-    (The clipped sums' exactness is the start-up probe's business, tested elsewhere: not re-run here.)"""
-    model = copy.deepcopy(base)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine = BandedMFEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=0.5, dataset_size=len(dataset),
-                            steps=steps, bins=bins, coefficients=coefficients, seed=11, verify=False)
-    sampler = engine.sampler()
-    rows = []
-    for batch in sampler:  # the same bins for the others in both worlds (the coupling of add/remove)
-        chosen = [i for i in batch if i != drop]
-        if chosen:
-            ids = torch.stack([dataset[i] for i in chosen])
-            logits = model(input_ids=ids).logits
-            engine.accumulate(per_example_loss(logits, ids, torch.ones_like(ids), shift=True))
-        sums = engine.clipped_grads()
-        rows.append(torch.cat([sums.get(p, torch.zeros_like(p)).flatten() for p in engine.params]).double())
-        engine.step()
-    return toeplitz_strategy(coefficients, steps) @ torch.stack(rows).numpy(), engine
+def banded_engine(steps: int, bins: int, coefficients):
+    return lambda model, optimizer, size: BandedMFEngine(
+        model, optimizer, noise_multiplier=0.0, max_grad_norm=0.5, dataset_size=size, steps=steps, bins=bins,
+        coefficients=coefficients, seed=11, verify=False)
 
 
 def test_removing_one_example_moves_the_release_by_at_most_sens_times_c():
@@ -122,11 +92,12 @@ def test_removing_one_example_moves_the_release_by_at_most_sens_times_c():
     generator = torch.Generator().manual_seed(2)
     dataset = {i: torch.randint(5, 200, (8,), generator=generator) for i in range(9)}
     base, _ = load_model("tiny-gpt2", head="causal_lm")
-    full, engine = release_of(base, dataset, None, steps, bins, strategy.coefficients)
+    make, matrix = banded_engine(steps, bins, strategy.coefficients), toeplitz_strategy(strategy.coefficients, steps)
+    full, engine = release_of(base, dataset, None, make, matrix)
     assert engine.strategy_sensitivity == pytest.approx(1.0)
     worst = 0.0
     for drop in range(9):
-        without, _ = release_of(base, dataset, drop, steps, bins, strategy.coefficients)
+        without, _ = release_of(base, dataset, drop, make, matrix)
         worst = max(worst, float(np.linalg.norm(full - without)))
     assert worst <= 0.5 * engine.strategy_sensitivity * (1 + 1e-5)
     assert worst > 0.5 * 0.5  # an example does move it: the bound is not vacuous
@@ -149,12 +120,4 @@ def test_mismatched_settings_are_refused():
                        dataset_size=10, steps=4, bins=2, coefficients=[1.0], sampling="poisson")
     with pytest.raises(UserError, match="wider than the separation"):
         noise_engine(coefficients=[1.0, 0.5, 0.2, 0.1], bins=3)
-    engine, _ = noise_engine(steps=2, coordinates=3)
-    engine.step()
-    with pytest.raises(UserError, match="trainable set"):
-        engine.replan(verify=False)
-    engine.step()
-    with pytest.raises(UserError, match="accounted for 2 steps"):
-        engine.step()
-    with pytest.raises(UserError, match="User-level"):
-        engine.user_sampler([[0]], 1, 2)
+    check_lifecycle_refusals(noise_engine(steps=2, coordinates=3)[0], "banded MF")

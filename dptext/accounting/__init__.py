@@ -15,6 +15,8 @@ rate q and noise multiplier σ per step; a run is a sequence of ``StepRun``s.
 * ``banded_mf``  correlated noise (SPEC §12): strategy matrices, sensitivity under (k, b)-participation, ε
                  of the one Gaussian mechanism a matrix-factorization run is.
 * ``mf_strategy`` banded Toeplitz coefficients minimising the prefix-sum error, optimised in seconds.
+* ``blt``        buffered linear Toeplitz strategies: structure, C⁻¹, exact min-separation sensitivity (SPEC §12).
+* ``blt_strategy`` BLT parameters (ω, θ) minimising the mean or max prefix-sum error, optimised in seconds.
 """
 
 from dptext.accounting.calibrate import Calibration, calibrate_noise_multiplier

@@ -33,6 +33,9 @@ from dptext.accounting.events import StepRun, resolve_delta, total_steps
 from dptext.errors import UserError
 
 LEDGER_FORMAT = 1
+# matrix-factorization mechanisms (SPEC §12): the whole run is one Gaussian mechanism of multiplier σ/sens(C), for
+# the cyclic schema their sampler enforces
+CORRELATED_MECHANISMS = ("banded_mf", "blt")
 
 
 def epsilon_unit(mechanism: dict[str, Any] | None) -> str:
@@ -85,10 +88,10 @@ class PrivacyLedger:
 
     # ------------------------------------------------------------------ ε
     def accounted_runs(self) -> list[StepRun]:
-        """What ε is computed from: the recorded DP-SGD steps or, for a banded matrix-factorization run (SPEC §12),
+        """What ε is computed from: the recorded DP-SGD steps or, for a matrix-factorization run (SPEC §12),
         the one Gaussian mechanism of multiplier σ/sens(C) it is, charged in full from its first step."""
         mechanism = self.mechanism or {}
-        if mechanism.get("method") != "banded_mf":
+        if mechanism.get("method") not in CORRELATED_MECHANISMS:
             return list(self._runs)
         sigma = float(mechanism["noise_multiplier"]) / float(mechanism["strategy_sensitivity"])
         return [StepRun(1.0, sigma, 1)] if self._runs else []

@@ -142,7 +142,7 @@ def _report_recipes(out, eps, directory, delta) -> None:
 
 
 def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> None:
-    from dptext.accounting.ledger import PrivacyLedger, epsilon_unit
+    from dptext.accounting.ledger import CORRELATED_MECHANISMS, PrivacyLedger, epsilon_unit
     from dptext.errors import UserError
     from dptext.runs import RunDir
 
@@ -154,7 +154,8 @@ def _report_ledger(out, run_dir, methods, conversion, plot, prv_eps_error) -> No
     out.info(f"{run_dir}: {ledger.steps} steps in {len(ledger.runs)} run(s) of identical (q, σ), "
              f"δ={ledger.delta:g} ({ledger.delta_source}), accountant {ledger.accountant}")
     mechanism = ledger.mechanism or {}
-    accounted = "cyclic" if mechanism.get("method") == "banded_mf" else "poisson"  # what each accountant covers
+    # what each accountant covers: matrix-factorization runs the cyclic schema, DP-SGD Poisson sampling
+    accounted = "cyclic" if mechanism.get("method") in CORRELATED_MECHANISMS else "poisson"
     if mechanism.get("sampling", accounted) != accounted:
         out.warn(f"This run sampled by {mechanism['sampling']}, which the Poisson accountant does not cover: "
                  "the ε below is NOT a guarantee for it.")

@@ -32,16 +32,24 @@ class PrivacyConfig:
         "reported, but gdp (a CLT approximation, not a bound) is refused for training.")
     sampling: Literal["poisson", "shuffle", "cyclic"] = doc(
         "poisson", "Batch sampling. poisson matches DP-SGD's accounting, cyclic (balls-in-bins, each example in "
-        "one of round(n/B) bins, step t trains bin t mod P) matches mechanism=banded_mf's, and a private run "
-        "refuses any other pair; a non-private baseline (enabled=false) may shuffle.")
-    mechanism: Literal["dp_sgd", "banded_mf"] = doc(
-        "dp_sgd", "The noise: fresh Gaussian noise each step (dp_sgd), or banded matrix-factorization noise "
-        "(banded_mf, SPEC §12: step t gets (C⁻¹Z)_t for a b-banded Toeplitz strategy C optimised at start-up, "
-        "mf_strategy.json; needs sampling=cyclic; ε is that of one Gaussian mechanism, no amplification).")
+        "one of round(n/B) bins, step t trains bin t mod P) matches mechanism=banded_mf's and blt's, and a private "
+        "run refuses any other pair; a non-private baseline (enabled=false) may shuffle.")
+    mechanism: Literal["dp_sgd", "banded_mf", "blt"] = doc(
+        "dp_sgd", "The noise: fresh Gaussian noise each step (dp_sgd), or matrix-factorization noise (SPEC §12: "
+        "step t gets (C⁻¹Z)_t for a Toeplitz strategy C optimised at start-up, mf_strategy.json): banded_mf (a "
+        "b-banded C) or blt (buffered linear Toeplitz: d decaying buffers); both need sampling=cyclic; ε is that "
+        "of one Gaussian mechanism, no amplification (docs/correlated_noise.md).")
     mf_bands: int = doc(
         8, "mechanism=banded_mf: the bands b of the strategy (b − 1 model-sized noise buffers); at most the "
         "steps per epoch round(n/B), the separation the sensitivity is proven for.", ge=1,
         only_with=("privacy.mechanism", "banded_mf"))
+    blt_buffers: int = doc(
+        4, "mechanism=blt: the buffers d of the BLT strategy (d model-sized noise buffers, whatever the steps); "
+        "its ω, θ are optimised at start-up for the run's steps and participations.", ge=1, le=16,
+        only_with=("privacy.mechanism", "blt"))
+    blt_error: Literal["mean", "max"] = doc(
+        "mean", "mechanism=blt: the error the strategy minimises, per unit of σ²: the mean squared error of the "
+        "noisy prefix sums over all steps, or that of the worst (last) one.", only_with=("privacy.mechanism", "blt"))
     clipping_mode: Literal["bookkeeping", "ghost", "per_sample"] = doc(
         "bookkeeping", "How clipped sums are computed (does not change privacy): one backward pass (bookkeeping), "
         "two (ghost), or instantiated per-example gradients (per_sample, the reference).")

@@ -59,7 +59,7 @@ class Training:
     info: dict = field(default_factory=dict)
     audit: Any = None  # dptext.data.audit_split.AuditSplit when the recipe's audit section asks for one
     dist: Any = None  # dptext.finetune.distributed.ProcessGroup (world size 1 unless launched by torchrun)
-    mf_strategy: Any = None  # privacy.mechanism=banded_mf: the strategy's coefficients (mf_strategy.json)
+    mf_strategy: Any = None  # privacy.mechanism=banded_mf or blt: the strategy's parameters (mf_strategy.json)
     selection: Any = None  # dptext.finetune.selection.Selection when the recipe selects on validation
     users: Any = None  # privacy.unit=user: the example indices of each user (the privacy units), else None
     split_copies: int = 0  # evaluation records with a word-for-word copy in the training split (not covered)
@@ -172,9 +172,9 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
         check_training_accountant(privacy.accountant)
         privacy_seed(privacy, recipe.train.seed)  # refuses contradictory randomness settings before any work
     if privacy.enabled and privacy.mechanism == "dp_sgd" and privacy.sampling == "cyclic":
-        raise UserError("privacy.sampling=cyclic is accounted only with privacy.mechanism=banded_mf (DP-SGD's "
-                        "accountant assumes Poisson sampling); use sampling=poisson, or mechanism=banded_mf.")
-    if privacy.enabled and privacy.mechanism == "banded_mf":
+        raise UserError("privacy.sampling=cyclic is accounted only with privacy.mechanism=banded_mf or blt (DP-SGD's "
+                        "accountant assumes Poisson sampling); use sampling=poisson, or mechanism=banded_mf or blt.")
+    if privacy.enabled and privacy.mechanism in ("banded_mf", "blt"):
         build_banded_mf(training, dist, probe_now)
     elif privacy.enabled and privacy.method == "edp_sgd":
         build_edp(training, dist, probe_now)

@@ -6,6 +6,7 @@ the command runs (dptext/cli/).
 
 from __future__ import annotations
 
+from dptext.privacy.blt_engine import BLTEngine
 from dptext.privacy.edp import EDPEngine
 from dptext.privacy.engine import PrivacyEngine
 from dptext.privacy.mf_engine import BandedMFEngine
@@ -14,5 +15,5 @@ from dptext.privacy.noise.optimizer import DPOptimizer
 from dptext.privacy.sampling.sampler import PoissonSampler, ShuffleSampler
 from dptext.privacy.sampling.user_sampler import UserBatch, UserPoissonSampler
 
-__all__ = ["BandedMFEngine", "DPOptimizer", "EDPEngine", "PoissonSampler", "PrivacyEngine", "ShuffleSampler",
-           "UserBatch", "UserPoissonSampler", "causal_lm_loss", "per_example_loss"]
+__all__ = ["BLTEngine", "BandedMFEngine", "DPOptimizer", "EDPEngine", "PoissonSampler", "PrivacyEngine",
+           "ShuffleSampler", "UserBatch", "UserPoissonSampler", "causal_lm_loss", "per_example_loss"]

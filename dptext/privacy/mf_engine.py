@@ -1,4 +1,5 @@
-"""``BandedMFEngine``: the privacy engine with banded matrix-factorization noise (SPEC §12).
+"""``BandedMFEngine``: the privacy engine with banded matrix-factorization noise (SPEC §12), and
+``CorrelatedNoiseEngine``, what it shares with the BLT engine (``privacy/blt_engine.py``).
 
 Everything the DP-SGD engine does stays: exact per-example clipping, its start-up proof and per-step checks, the
 secret noise stream, division by the expected batch size. Two things change, and each is tied to the accounting:
@@ -26,7 +27,8 @@ from dptext.accounting import StepRun, compute_epsilon
 from dptext.accounting.banded_mf import Participation, toeplitz_sensitivity
 from dptext.errors import UserError
 from dptext.privacy.engine import PrivacyEngine
-from dptext.privacy.noise.correlated import CorrelatedNoise
+from dptext.privacy.noise.correlated import CorrelatedNoise, FilteredNoise
+from dptext.privacy.noise.optimizer import NoiseSource
 from dptext.privacy.noise.randomness import randomness_note
 from dptext.privacy.sampling.cyclic import CyclicBinSampler
 
@@ -36,60 +38,70 @@ POISSON_REFUSED = ("Banded MF noise is accounted here without amplification by s
                    "or mechanism dp_sgd for Poisson sampling.")
 
 
-class BandedMFEngine(PrivacyEngine):
-    """DP training with banded MF noise: ``coefficients`` (c_0, …, c_{b−1}) of C, ``bins`` P ≥ b, ``steps`` S.
+class CorrelatedNoiseEngine(PrivacyEngine):
+    """What every matrix-factorization engine shares: the cyclic (k, P) schema, the planned S steps, the strategy's
+    sensitivity recomputed here (``_sensitivity``), the noise filter (``_noise``) and ε of one Gaussian mechanism.
 
-    ``noise_multiplier`` σ is the std of Z's entries over the clipping norm; ε is that of a Gaussian mechanism with
-    multiplier σ / sens(C) (``strategy_sensitivity``). Strategies from ``accounting.mf_strategy.optimize_banded``
-    are scaled to sensitivity 1, so σ is then the Gaussian mechanism's own multiplier."""
+    Subclasses set ``method`` and ``label`` and describe their strategy (``_strategy_fields``)."""
+
+    method = ""
+    label = ""
+    poisson_refused = ""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
-                 max_grad_norm: float, dataset_size: int, steps: int, bins: int, coefficients: list[float],
-                 sampling: str = "cyclic", ledger: Any = None, distributed: Any = None, **options: Any):
+                 max_grad_norm: float, dataset_size: int, steps: int, bins: int, sampling: str = "cyclic",
+                 ledger: Any = None, distributed: Any = None, **options: Any):
         if sampling != "cyclic":
-            raise UserError(POISSON_REFUSED)
+            raise UserError(self.poisson_refused)
         if distributed is not None and distributed.active:
-            raise UserError("Banded MF noise runs in one process for now (its ring buffers are not sharded); "
+            raise UserError(f"The {self.label} noise runs in one process for now (its buffers are not sharded); "
                             "train it without torchrun, or use mechanism dp_sgd.")
-        coefficients = [float(c) for c in coefficients]
-        if isinstance(bins, bool) or not isinstance(bins, int) or not len(coefficients) <= bins <= dataset_size:
-            raise UserError(f"The cyclic separation P (bins) must be a whole number from the number of bands "
-                            f"({len(coefficients)}) to the dataset size ({dataset_size}), got {bins!r}; a band "
-                            "wider than the separation has no proven sensitivity here.")
+        if isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins <= dataset_size:
+            raise UserError(f"The cyclic separation P (bins) must be a whole number from 1 to the dataset size "
+                            f"({dataset_size}), got {bins!r}.")
         self.schema = Participation(math.ceil(steps / bins), bins)
-        self.strategy_sensitivity = toeplitz_sensitivity(coefficients, steps, self.schema)
-        self.coefficients, self.bins, self.planned_steps = coefficients, bins, steps
+        self.bins, self.planned_steps = bins, steps
+        self.strategy_sensitivity = self._sensitivity()
         super().__init__(model, optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                          dataset_size=dataset_size, expected_batch_size=dataset_size / bins, ledger=ledger,
                          **options)
         self._wrap_noise()
 
+    def _sensitivity(self) -> float:
+        raise NotImplementedError
+
+    def _noise(self, source: NoiseSource) -> FilteredNoise:
+        raise NotImplementedError
+
+    def _strategy_fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
     def _wrap_noise(self) -> None:
         source = self.dp_optimizer.noise
-        source = source.source if isinstance(source, CorrelatedNoise) else source
-        self.dp_optimizer.noise = CorrelatedNoise(source, self.coefficients, self.params)
+        source = source.source if isinstance(source, FilteredNoise) else source
+        self.dp_optimizer.noise = self._noise(source)
 
     def replan(self, verify: bool = True, make_batch=None, loss_fn=None) -> None:
         if self.steps:
-            raise UserError("The trainable set cannot change during a banded MF run (the noise of later steps "
+            raise UserError(f"The trainable set cannot change during a {self.label} run (the noise of later steps "
                             "depends on the earlier steps' noise per parameter); re-plan before the first step.")
         super().replan(verify, make_batch, loss_fn)
         self._wrap_noise()
 
     def step(self, per_example_loss=None) -> None:
         if self.steps >= self.planned_steps:
-            raise UserError(f"The banded MF strategy was accounted for {self.planned_steps} steps and they are "
+            raise UserError(f"The {self.label} strategy was accounted for {self.planned_steps} steps and they are "
                             "done; a further step is not covered by its sensitivity. Plan more steps.")
         super().step(per_example_loss)
 
     def sampler(self, steps: int | None = None) -> CyclicBinSampler:
         """The cyclic bins this engine is accounted for, from the root's secret "sampler" child."""
         if steps is not None and steps != self.planned_steps:
-            raise UserError(f"The banded MF strategy was accounted for {self.planned_steps} steps, not {steps}.")
+            raise UserError(f"The {self.label} strategy was accounted for {self.planned_steps} steps, not {steps}.")
         return CyclicBinSampler(self.dataset_size, self.bins, self.planned_steps, self.root.generator("sampler"))
 
     def user_sampler(self, *args: Any, **kwargs: Any):
-        raise UserError("User-level DP with banded MF noise is not accounted yet; use privacy.unit=example.")
+        raise UserError(f"User-level DP with {self.label} noise is not accounted yet; use privacy.unit=example.")
 
     def epsilon(self, delta: float, accountant: str = "rdp") -> float:
         """ε of the whole planned run (the strategy is fixed for all S steps) by ``accountant`` applied to the one
@@ -101,19 +113,47 @@ class BandedMFEngine(PrivacyEngine):
         return result.epsilon if result.approximate else result.guaranteed
 
     def accounting(self) -> dict[str, Any]:
-        return {"mechanism": MECHANISM, "noise_multiplier": self.noise_multiplier, "steps": self.steps,
+        return {"mechanism": self.method, "noise_multiplier": self.noise_multiplier, "steps": self.steps,
                 "planned_steps": self.planned_steps, "strategy_sensitivity": self.strategy_sensitivity,
                 "sampling": "cyclic", "matches_accounting": True}
 
     def mechanism(self) -> dict[str, Any]:
-        return {"method": MECHANISM, "unit": "example",
+        return {"method": self.method, "unit": "example",
                 "guarantee": "example-level (ε, δ); one Gaussian mechanism with noise multiplier σ/sens(C), "
                              "no amplification by sampling",
                 "sensitivity": self.max_grad_norm, "strategy_sensitivity": self.strategy_sensitivity,
-                "noise_multiplier": self.noise_multiplier, "coefficients": list(self.coefficients),
-                "bands": len(self.coefficients), "planned_steps": self.planned_steps,
+                "noise_multiplier": self.noise_multiplier, **self._strategy_fields(),
+                "planned_steps": self.planned_steps,
                 "separation": self.schema.separation, "max_participations": self.schema.max_participations,
-                "noise": "(C⁻¹Z)_t, Z i.i.d. N(0, σ²C²), once per coordinate per step; b − 1 buffers",
                 "sampling": "cyclic", "participation": "balls-in-bins: min separation P, ≤ ⌈S/P⌉ steps each",
                 "processes": 1, "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
                 "clipping_verified": self.verified}
+
+
+class BandedMFEngine(CorrelatedNoiseEngine):
+    """DP training with banded MF noise: ``coefficients`` (c_0, …, c_{b−1}) of C, ``bins`` P ≥ b, ``steps`` S.
+
+    ``noise_multiplier`` σ is the std of Z's entries over the clipping norm; ε is that of a Gaussian mechanism with
+    multiplier σ / sens(C) (``strategy_sensitivity``). Strategies from ``accounting.mf_strategy.optimize_banded``
+    are scaled to sensitivity 1, so σ is then the Gaussian mechanism's own multiplier."""
+
+    method, label, poisson_refused = MECHANISM, "banded MF", POISSON_REFUSED
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, bins: int, coefficients: list[float],
+                 **options: Any):
+        self.coefficients = [float(c) for c in coefficients]
+        if isinstance(bins, int) and not isinstance(bins, bool) and bins < len(self.coefficients):
+            raise UserError(f"The cyclic separation P (bins) must be at least the number of bands "
+                            f"({len(self.coefficients)}), got {bins!r}; a band wider than the separation has no "
+                            "proven sensitivity here.")
+        super().__init__(model, optimizer, bins=bins, **options)
+
+    def _sensitivity(self) -> float:
+        return toeplitz_sensitivity(self.coefficients, self.planned_steps, self.schema)
+
+    def _noise(self, source: NoiseSource) -> FilteredNoise:
+        return CorrelatedNoise(source, self.coefficients, self.params)
+
+    def _strategy_fields(self) -> dict[str, Any]:
+        return {"coefficients": list(self.coefficients), "bands": len(self.coefficients),
+                "noise": "(C⁻¹Z)_t, Z i.i.d. N(0, σ²C²), once per coordinate per step; b − 1 buffers"}

@@ -3,6 +3,6 @@ by subsampling accounts for (SPEC §3).
 
 - ``sampler``: Poisson sampling (what the accountant assumes) and shuffling (accounted as such, never as Poisson).
 - ``user_sampler``: user-level Poisson sampling, the privacy unit being a user with all of their examples.
-- ``cyclic``: balls-in-bins batches with a minimum separation, the (k, P)-participation banded MF noise is
-  accounted for (no amplification claimed).
+- ``cyclic``: balls-in-bins batches with a minimum separation, the (k, P)-participation banded MF and BLT noise
+  are accounted for (no amplification claimed).
 """

@@ -1,13 +1,15 @@
-"""Cyclic balls-in-bins batches: the participation schema banded matrix-factorization training is accounted for.
+"""Cyclic balls-in-bins batches: the participation schema matrix-factorization training (banded, BLT) is accounted
+for.
 
 Each example is put in one of P bins by its own independent uniform draw (from the engine's secret "sampler"
 stream), once, before the first step; step t trains on bin t mod P. So every example takes part in at most
 k = ⌈S/P⌉ of the S steps, any two of them exactly P apart: (k, P)-participation (Choquette-Choo et al. 2023),
-the schema ``dptext.accounting.banded_mf.sensitivity`` is computed for. Bins are drawn per example, never from
-its position among the others: adding or removing one example leaves every other example's bin distribution
-unchanged, so a neighbouring dataset differs only in that example's own pattern (add/remove adjacency). The
-batch size varies (binomial, mean n/P); the noisy sum is divided by the expected n/P, never the realised size.
-No amplification by the secrecy of the bins is claimed: the bound holds for every pattern.
+the schema ``dptext.accounting.banded_mf.sensitivity`` and ``blt.blt_sensitivity`` are computed for. Bins are
+drawn per example, never from its position among the others: adding or removing one example leaves every other
+example's bin distribution unchanged, so a neighbouring dataset differs only in that example's own pattern
+(add/remove adjacency). The batch size varies (binomial, mean n/P); the noisy sum is divided by the expected
+n/P, never the realised size. No amplification by the secrecy of the bins is claimed: the bound holds for every
+pattern.
 """
 
 from __future__ import annotations
