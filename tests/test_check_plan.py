@@ -118,3 +118,16 @@ def test_an_expected_batch_larger_than_n_is_refused(tmp_path, capsys):
 def test_a_non_private_plan_has_no_sigma(tmp_path, capsys):
     plan = check_plan([str(QUICKSTART), *TINY, f"data.path={own_data(tmp_path)}", "privacy.enabled=false"], capsys)
     assert plan["private"] is False and "noise_multiplier" not in plan and plan["steps"] == 6
+
+
+@pytest.mark.parametrize("mechanism", ["banded_mf", "blt"])
+def test_a_correlated_noise_plan_shows_the_sigma_the_run_draws(tmp_path, capsys, mechanism):
+    """Not DP-SGD's Poisson σ: the one Gaussian mechanism's, and cyclic batches (issue 47)."""
+    overrides = [*TINY, f"data.path={own_data(tmp_path)}", "privacy.delta=1e-5", f"privacy.mechanism={mechanism}",
+                 "privacy.sampling=cyclic", "privacy.mf_bands=2" if mechanism == "banded_mf" else "privacy.blt_buffers=2"]
+    plan = check_plan([str(QUICKSTART), *overrides], capsys)
+    result = run_finetune(config.load_recipe(QUICKSTART, overrides), out=tmp_path / "run")
+    assert plan["noise_multiplier"] == pytest.approx(result["privacy"]["noise_multiplier"], rel=1e-12)
+    assert plan["sigma_source"].startswith(mechanism) and plan["sampling"].startswith("cyclic")
+    code, out, _ = run_cli(["check", str(QUICKSTART), *overrides], capsys)
+    assert code == 0 and "q = B/n (cyclic batches)" in out and "Poisson" not in out

@@ -85,15 +85,31 @@ def run_plan(recipe) -> dict:
         found["expected_batch_size"] = found["sample_rate"] * found["dataset_size"]
         return {"private": False, **found, "micro_batch": micro, "note": "non-private baseline: no clipping, no noise"}
     found = recipe_plan(recipe)
+    if recipe.privacy.mechanism != "dp_sgd":
+        found.update(correlated_noise_plan(recipe, found["delta"]))
     warning = delta_warning(found["delta"], found["delta_source"], found["dataset_size"])
     return {"private": True, **found, "max_grad_norm": recipe.privacy.max_grad_norm, "micro_batch": micro,
             **({"warning": warning} if warning else {})}
 
 
+def correlated_noise_plan(recipe, delta: float) -> dict:
+    """σ of a banded MF / BLT run: one Gaussian mechanism of sensitivity 1 (DP-SGD's Poisson σ is not the one it
+    draws), scaled at start-up by the strategy's sensitivity, which the optimised coefficients decide."""
+    from dptext.finetune.banded_mf import mf_noise_multiplier
+
+    privacy = recipe.privacy
+    return {"noise_multiplier": mf_noise_multiplier(privacy, delta),
+            "sigma_source": f"{privacy.mechanism}: one Gaussian mechanism at ε = {privacy.target_epsilon}, times the "
+                            "strategy's sensitivity found at start-up (mf_strategy.json)",
+            "sampling": "cyclic: each example once per epoch, no amplification claimed"}
+
+
 def plan_rows(plan: dict) -> list[list]:
     if "dataset_size" not in plan:
         return [["micro-batch", plan["micro_batch"]], ["note", plan["note"]]]
-    rows = [["n (training examples)", plan["dataset_size"]], ["q = B/n (Poisson sampling rate)", plan["sample_rate"]],
+    sampling = ["q = B/n (cyclic batches)", f"{plan['sample_rate']:.4g} ({plan['sampling']})"] if "sampling" in plan \
+        else ["q = B/n (Poisson sampling rate)", plan["sample_rate"]]
+    rows = [["n (training examples)", plan["dataset_size"]], sampling,
             ["steps", plan["steps"]], ["expected batch (q·n)", plan["expected_batch_size"]],
             ["micro-batch", plan["micro_batch"]]]
     if not plan["private"]:
