@@ -14,7 +14,7 @@ from torch.nn.modules import module as torch_module
 from dptext.errors import UserError
 from dptext.models import load_model
 from dptext.privacy import PrivacyEngine, causal_lm_loss
-from dptext.privacy.proof.verify import output_functional_loss
+from dptext.privacy.proof.verify import output_functional_loss, probe
 
 
 def tiny_llama():
@@ -233,3 +233,32 @@ def test_a_learning_rate_zero_step_with_raw_gradients_is_refused_in_ghost_mode()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # zero gradients at lr 0: inert, as DCP's state initialisation
+
+
+def test_a_proof_is_carried_only_to_an_engine_with_the_same_layers_and_rules():
+    """verify=report (a proof made before fully_shard; the two-rank case is in test_fsdp_redteam): the same
+    modules and rules are taken as proven; another model or another trainable set is refused."""
+    model = tiny_llama()
+    first, _ = engine_for(model)
+    report = first.verify()
+    first.detach()
+    carried, _ = engine_for(model, verify=report)
+    assert carried.verified and "NOT VERIFIED" not in str(carried.mechanism())
+    carried.step(lm_loss(model, *batch()))
+    carried.detach()
+    with pytest.raises(UserError, match="other layers or rules than this engine's plan"):
+        engine_for(tiny_llama(), verify=report)
+    model.model.layers[0].mlp.down_proj.requires_grad_(False)
+    with pytest.raises(UserError, match="other layers or rules .*down_proj"):
+        engine_for(model, verify=report)
+
+
+def test_a_refused_proof_cannot_be_carried():
+    model = tiny_llama()
+    first, _ = engine_for(model)
+    report = probe(first)
+    first.detach()
+    row = next(iter(report.rows.values()))
+    row.status, row.why = "refused", "a test's refusal"
+    with pytest.raises(UserError, match="a test's refusal"):
+        engine_for(model, verify=report)

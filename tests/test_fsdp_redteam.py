@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from fsdp_changes import (CHANGES, DELTA, FREEZES, FROZEN, SIGMA, changed_after_the_engine, class_round_trip,
                           frozen_after_the_engine)
-from fsdp_models import N, TinyLM, full, losses, shard, tiny_lm, token_ids
+from fsdp_models import N, VOCAB, TinyLM, full, losses, shard, tiny_lm, token_ids
 from test_fsdp import refused_on_one_rank
 from two_ranks import FAILURES, run_two_ranks
 
@@ -166,6 +166,26 @@ def probe_sharded(ctx, mode: str):
     engine_for(model, mode, ctx=ctx).verify()
 
 
+def proof_carried(ctx, mode: str) -> dict:
+    """Proven before fully_shard (report = engine.verify()), then the engine on the sharded model takes it
+    (verify=report): verified, not flagged in mechanism(), and it trains."""
+    from dptext.privacy import PrivacyEngine
+
+    model = tiny_lm()
+    before = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode)
+    report = before.verify(make_batch=lambda b, t, generator: {"input_ids": torch.randint(0, VOCAB, (b, t),
+                                                                                          generator=generator)},
+                           loss_fn=lambda model, batch: losses(model, batch["input_ids"]))
+    before.detach()
+    shard(model, ctx)
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode=mode,
+                           distributed=ctx, verify=report)
+    engine.step(losses(model, token_ids()[ctx.shard(N)]))
+    return {"verified": engine.verified, "mechanism": str(engine.mechanism()), "steps": engine.steps}
+
+
 def worker(out: Path) -> None:
     from dptext.finetune.distributed import current, release
 
@@ -187,6 +207,7 @@ def worker(out: Path) -> None:
         "changed": {(mode, change): changed_after_the_engine(ctx, mode, change)
                     for mode in (*MODES, "ghost") for change in CHANGES},
         "first_rank": proved_on_first_rank(),
+        "carried": {mode: proof_carried(ctx, mode) for mode in (*MODES, "ghost")},
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -275,6 +296,13 @@ def test_the_probe_on_a_sharded_model_says_to_prove_before_fully_shard(two_ranks
     for rank in two_ranks:
         verdict, message = rank["probe_sharded"][mode]
         assert verdict == "refused" and "before fully_shard" in message, message
+
+
+@pytest.mark.parametrize("mode", [*MODES, "ghost"])
+def test_a_proof_made_before_fully_shard_is_carried_to_the_sharded_engine(two_ranks, mode):
+    for rank in two_ranks:
+        got = rank["carried"][mode]
+        assert got["verified"] and got["steps"] == 1 and "NOT VERIFIED" not in got["mechanism"], got
 
 
 def test_a_weight_sharded_on_dim_1_is_refused(two_ranks):

@@ -54,7 +54,7 @@ from dptext.privacy.proof.step_checks import (check_loss, check_no_foreign_backw
 from dptext.privacy.settings import check_settings, describe_mechanism, fixed_setting
 from dptext.privacy.clipping.units import LogicalBatchUnits, unit_index
 from dptext.privacy.sampling.user_sampler import UserPoissonSampler, make_user_sampler
-from dptext.privacy.proof.verify import probe as verify_probe
+from dptext.privacy.proof.verify import ProbeReport, adopt_proof, probe as verify_probe
 
 
 class PrivacyEngine:
@@ -76,7 +76,7 @@ class PrivacyEngine:
                  expected_batch_size: float | None = None, clipping_mode: str = "bookkeeping",
                  clipping_layout: str = "all_layer", sampling: str = "poisson", seed: int | RandomRoot | None = None,
                  secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None,
-                 verify: bool = True, probe_batch: Callable[..., Any] | None = None,
+                 verify: bool | ProbeReport = True, probe_batch: Callable[..., Any] | None = None,
                  probe_loss: Callable[..., Any] | None = None):
         self.sample_rate, self.dataset_size, self.expected_batch_size = _sampling_numbers(
             sample_rate, dataset_size, expected_batch_size)
@@ -118,6 +118,8 @@ class PrivacyEngine:
         # the optimizer handed to the engine updates only on the engine's privatized gradients, in every mode (a
         # plain loss.backward() + optimizer.step() in ghost mode applied raw, unclipped gradients)
         self._step_guard = optimizer.register_step_pre_hook(partial(refuse_foreign_step, self))
+        if isinstance(verify, ProbeReport):  # a proof made on these modules before fully_shard
+            adopt_proof(self, verify)
 
     # σ and C are read by the optimizer's noise, the per-step invariant, mechanism() and the ledger: one value for
     # all, fixed at construction (assigning a new one used to change ε but not the noise drawn).

@@ -42,8 +42,11 @@ REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd 
                     "an fp32-only mask), so nothing can prove the clipping exact; fix the model's forward or "
                     "freeze the layers involved.")
 SHARDED = ("The start-up probe needs each layer's whole weight and runs before fully_shard: prove the whole model "
-           "first (a PrivacyEngine on it, engine.verify(), engine.detach(), as `dptext finetune` does with "
-           "train.sharding=fsdp), then build the engine on the sharded model with verify=False.")
+           "first (report = PrivacyEngine(model, ...).verify(), then engine.detach(), as `dptext finetune` does "
+           "with train.sharding=fsdp), then build the engine on the sharded model with verify=report.")
+NOT_THIS_PLAN = ("The proof given as verify= was made on other layers or rules than this engine's plan ({}); prove "
+                 "this model before fully_shard with the same clipping_mode and trainable layers, and pass that "
+                 "report.")
 FP64_PARAMETERS = 50_000_000  # up to this size the probe runs on an fp64 copy of the model (its peak: ~2 extra
 # fp64 model sizes, negligible here); above it, in the model's own precision with fp32 sums, so that the proof
 # costs about one training step's memory at any scale (docs/privacy_engine.md, "What the proof covers")
@@ -181,6 +184,21 @@ def probe_dtype(model: nn.Module, device: torch.device) -> torch.dtype | None:
     if sum(p.numel() for p in floating) <= FP64_PARAMETERS:
         return torch.float64
     return torch.float32 if any(p.dtype in (torch.float16, torch.bfloat16) for p in floating) else None
+
+
+def adopt_proof(engine: Any, report: ProbeReport) -> None:
+    """Take ``report``, a proof made by an engine on the same modules before ``fully_shard`` (which keeps each
+    module object and changes where its weights live, not what the hooks record), as this engine's: refused unless
+    it covers exactly this engine's tracked layers with the same rules and refused none of them."""
+    report.raise_if_refused()
+    mine = {module: type(rule).__name__.removesuffix("Rule") for module, (rule, _) in engine.tracked.items()}
+    theirs = {module: row.rule for module, row in report.rows.items()}
+    if mine != theirs:
+        differ = [engine.names[m] for m in mine if theirs.get(m) != mine[m]] + \
+                 [row.name for m, row in report.rows.items() if m not in mine]
+        raise UserError(NOT_THIS_PLAN.format("e.g. '" + "', '".join(differ[:3]) + "'"))
+    engine.verified = True
+    engine.recorder.verified = set(engine.tracked)
 
 
 def engine_hooks(engine: Any) -> set[int]:
