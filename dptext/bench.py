@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from dptext.allocator import keep_freed_memory
-from dptext.bench_step import OURS, measure
+from dptext.bench_step import CORRELATED, OURS, measure
 from dptext.runs import atomic_write
 
-MODES = ("nonprivate",) + OURS + ("opacus", "opacus_untied")
+MODES = ("nonprivate",) + OURS + CORRELATED + ("opacus", "opacus_untied")
 
 
 # ---------------------------------------------------------------------------- the parent process

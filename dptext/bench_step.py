@@ -15,6 +15,9 @@ from dptext.models import load_model
 from dptext.privacy import PrivacyEngine, per_example_loss
 
 OURS = ("per_sample", "ghost", "bookkeeping")
+CORRELATED = ("banded_mf", "blt")  # book-keeping clipping with correlated noise (docs/correlated_noise.md)
+STRATEGY_STEPS, STRATEGY_BINS = 2000, 500  # the strategy a 4-epoch run of 500 cyclic batches would optimise
+BANDS, BUFFERS = 4, 4  # banded MF keeps b − 1 model-sized noise buffers (full after 3 steps), BLT d of them
 MAX_BATCH_CAP = 8192
 
 
@@ -58,11 +61,8 @@ def _make_step(mode: str, model, batch_size: int):
             optimizer.zero_grad(set_to_none=True)
 
         return step, lambda: None
-    if mode in OURS:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
-        engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0,
-                               expected_batch_size=batch_size, dataset_size=100 * batch_size, clipping_mode=mode,
-                               verify=False)  # random tokens, no private data: the step's cost, not the proof's
+    if mode in OURS + CORRELATED:
+        engine = _engine(mode, model, torch.optim.SGD(model.parameters(), lr=1e-6), batch_size)
         noise_seconds = _time_noise(engine)
 
         def step(ids, mask):
@@ -71,6 +71,31 @@ def _make_step(mode: str, model, batch_size: int):
         step.noise_seconds = noise_seconds
         return step, engine.detach
     return _opacus_step(model, batch_size)
+
+
+def _engine(mode: str, model, optimizer, batch_size: int):
+    """Our engine for ``mode``: a clipping mode with DP-SGD's noise, or book-keeping with a correlated-noise
+    mechanism whose strategy is optimised as a run's would be. No proof: random tokens, no private data, and the
+    step's cost is measured, not the proof's."""
+    settings = dict(noise_multiplier=1.0, max_grad_norm=1.0, verify=False)
+    if mode in OURS:
+        return PrivacyEngine(model, optimizer, expected_batch_size=batch_size, dataset_size=100 * batch_size,
+                             clipping_mode=mode, **settings)
+    import math
+
+    from dptext.accounting.banded_mf import Participation
+    from dptext.privacy import BandedMFEngine, BLTEngine
+
+    schema = Participation(math.ceil(STRATEGY_STEPS / STRATEGY_BINS), STRATEGY_BINS)
+    settings.update(steps=STRATEGY_STEPS, bins=STRATEGY_BINS, dataset_size=batch_size * STRATEGY_BINS, seed=0)
+    if mode == "banded_mf":
+        from dptext.accounting.mf_strategy import optimize_banded
+
+        coefficients = list(optimize_banded(STRATEGY_STEPS, BANDS, schema).coefficients)
+        return BandedMFEngine(model, optimizer, coefficients=coefficients, **settings)
+    from dptext.accounting.blt_strategy import optimize_blt
+
+    return BLTEngine(model, optimizer, blt=optimize_blt(STRATEGY_STEPS, BUFFERS, schema).blt, **settings)
 
 
 def _time_noise(engine) -> list[float]:

@@ -75,6 +75,19 @@ def test_bench_memory_cli_on_tiny_gpt2(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_memory_measures_the_correlated_noise_mechanisms(tmp_path):
+    """banded_mf and blt: book-keeping with their noise (issue 47), timed and measured like the other modes."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dptext", "bench-memory", "tiny-gpt2", "--seq-len", "8", "--batch-size", "2",
+         "--steps", "1", "--warmup", "3", "--device", "cpu", "--modes", "bookkeeping,banded_mf,blt",
+         "--out", str(tmp_path), "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["mode"]: r for r in json.loads(proc.stdout)["results"]}
+    for mode in ("banded_mf", "blt"):
+        assert rows[mode]["status"] == "ok" and rows[mode]["peak_mb"] > 0, rows[mode]
+        assert 0 < rows[mode]["noise_s"] < rows[mode]["step_s"]
+
+
 def test_unknown_mode_is_one_sentence_error():
     proc = subprocess.run([sys.executable, "-m", "dptext", "bench-memory", "tiny-gpt2", "--modes", "fast"],
                           capture_output=True, text=True, timeout=120)

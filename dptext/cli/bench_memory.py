@@ -21,7 +21,8 @@ def bench_memory(
     rounds: Annotated[int, typer.Option("--rounds", help="Run all modes round-robin this many times (on a "
                                         "shared machine, spreads passing load over every mode).")] = 1,
     modes: Annotated[str, typer.Option("--modes", help="Comma-separated modes: nonprivate, per_sample, ghost, "
-                                       "bookkeeping, opacus, opacus_untied.")] =
+                                       "bookkeeping, banded_mf and blt (book-keeping with correlated noise), "
+                                       "opacus, opacus_untied.")] =
     "nonprivate,per_sample,ghost,bookkeeping,opacus,opacus_untied",
     precision: Annotated[str, typer.Option("--precision", help="auto (bf16 autocast on GPU, fp32 on CPU), "
                                            "fp32, bf16 or fp16.")] = "auto",
