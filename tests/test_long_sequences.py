@@ -185,3 +185,13 @@ def test_dptext_check_prints_the_rule_and_the_default_is_unchanged(tmp_path, cap
     hybrid_plan = check_plan([*recipe, "privacy.max_stored_bytes=1048576", "data.max_length=1024"],
                              capsys)["clipping"]
     assert "width exceeds 256" in hybrid_plan and "T = 1024" in hybrid_plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,head", MODELS[:3])
+def test_the_probe_proves_the_hybrid_on_tied_transformers(name, head):
+    model, _ = load_model(name, head=head)
+    engine = make_engine(model, "bookkeeping", **ALL_GHOST)[0]
+    assert engine.ghost_modules
+    engine.verify()
+    assert engine.verified
