@@ -15,6 +15,8 @@ from dptext.models import load_model
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.clipping import hybrid
 from dptext.privacy.clipping.long_sequences import ghost_treated, stored_bytes
+from dptext.privacy.norms import outer
+from dptext.privacy.norms.outer import OuterForm, inner_product, left_gram
 from dptext.privacy.proof.verify import output_functional_loss, synthetic_token_batch
 from test_privacy_engine import MODELS, check_against_brute_force, masked_batch
 from test_privacy_failclosed import (Tiny, add_to_output_slice, assert_sensitivity, brute_force_clipped_sum,
@@ -195,3 +197,39 @@ def test_the_probe_proves_the_hybrid_on_tied_transformers(name, head):
     assert engine.ghost_modules
     engine.verify()
     assert engine.verified
+
+
+def _brute_outer(form: OuterForm, vocab: int) -> torch.Tensor:
+    if not form.left_is_ids:
+        return torch.einsum("btm,btn->bmn", form.left.double(), form.right.double())
+    grad = torch.zeros(form.left.shape[0], vocab, form.right.shape[2], dtype=torch.float64)
+    for b, t in (form.left >= 0).nonzero().tolist():
+        grad[b, form.left[b, t]] += form.right[b, t].double()
+    return grad
+
+
+def test_the_tied_cross_term_is_instantiated_where_that_is_smaller_and_stays_exact():
+    """At long T the Gram form of ⟨G_emb, G_head⟩ holds (B, T, T) matrices; where V·d < 2T² the head's gradient
+    is formed instead (SPEC §2's mixed rule). Padding ids (< 0) contribute nothing."""
+    generator = torch.Generator().manual_seed(0)
+    batch, length, vocab, width = 3, 20, 7, 5
+    emb = OuterForm(torch.randint(-1, vocab, (batch, length), generator=generator),
+                    torch.randn(batch, length, width, generator=generator))
+    head = OuterForm(torch.randn(batch, length, vocab, generator=generator),
+                     torch.randn(batch, length, width, generator=generator))
+    for u, v in ((emb, head), (head, emb), (head, head)):
+        expected = (_brute_outer(u, vocab) * _brute_outer(v, vocab)).sum(dim=(1, 2))
+        gram = (left_gram(u, v) * torch.bmm(u.right.float(), v.right.float().transpose(1, 2))).sum(dim=(1, 2))
+        got = inner_product(u, v)
+        assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(gram.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_tied_models_at_a_length_where_the_cross_term_is_instantiated_match_brute_force(name, monkeypatch):
+    calls = []
+    real = outer._instantiated
+    monkeypatch.setattr(outer, "_instantiated", lambda u, v: calls.append(1) or real(u, v))
+    model, _ = load_model(name, head="causal_lm")  # V·d = 261·32 < 2·72²
+    check_against_brute_force(model, masked_batch("causal_lm", 3, 72), "bookkeeping", batch_size=3)
+    assert calls

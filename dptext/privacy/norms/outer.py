@@ -52,6 +52,27 @@ def left_gram(u: OuterForm, v: OuterForm) -> Tensor:
 
 
 def inner_product(u: OuterForm, v: OuterForm) -> Tensor:
-    """(B,) per-example ⟨G_u, G_v⟩ in fp32, O(T_u·T_v·(m + n)) time, O(T_u·T_v) memory."""
+    """(B,) per-example ⟨G_u, G_v⟩ in fp32. The Gram form costs O(T_u·T_v) memory (several (B, T_u, T_v) matrices:
+    64 MiB each per example at T = 4096); where a dense side's m×n gradient is smaller than twice that (SPEC §2's
+    mixed rule, as for a layer's own norm), it is instantiated instead and the other side reads it (``_instantiated``).
+    A tied LM head of vocabulary V and width d against its embedding then costs O(V·d + T·d), not O(T²)."""
+    if not (u.left_is_ids and v.left_is_ids):
+        dense = v if u.left_is_ids else u
+        if dense.left.shape[2] * dense.right.shape[2] <= 2 * u.left.shape[1] * v.left.shape[1]:
+            return _instantiated(u, v)
     right_gram = torch.bmm(u.right.float(), v.right.float().transpose(1, 2))
     return (left_gram(u, v) * right_gram).sum(dim=(1, 2))
+
+
+def _instantiated(u: OuterForm, v: OuterForm) -> Tensor:
+    """⟨G_u, G_v⟩ with a dense side's (B, m, n) gradient formed: against ids, Σ_s right_s · G[x_s] (rows looked up,
+    none for ids < 0); against a dense form, Σ G_u ⊙ G_v."""
+    if u.left_is_ids:
+        u, v = v, u
+    grad = torch.bmm(u.left.float().transpose(1, 2), u.right.float())  # (B, m, n)
+    if not v.left_is_ids:
+        other = grad if v is u else torch.bmm(v.left.float().transpose(1, 2), v.right.float())
+        return (grad * other).sum(dim=(1, 2))
+    ids = v.left
+    rows = torch.gather(grad, 1, ids.clamp(min=0)[:, :, None].expand(-1, -1, grad.shape[2]))  # (B, T, n)
+    return (rows * v.right.float() * (ids >= 0)[:, :, None]).sum(dim=(1, 2))
