@@ -5,9 +5,10 @@ G_i = Σ_t left_{i,t} ⊗ right_{i,t} (SPEC §2): for Linear left = g (output gr
 Conv1D stores W transposed, so left = a and right = g; for an Embedding, left_t is the one-hot row of the
 token id x_t and right = g. Two such gradients of the same parameter have the inner product
     ⟨G_u, G_v⟩ = Σ_{s,t} (left_u,s · left_v,t) (right_u,s · right_v,t),
-which never forms a p×d (or V×d) matrix. With one-hot lefts, left_u,s · left_v,t is a lookup:
-the dense left at row x_s, so ⟨G_emb, G_head⟩ = Σ_s Σ_t g^head_t[x_s] · (a_t · g^emb_s).
-This is the cross term of a shared (tied) parameter.
+which never forms a p×d (or V×d) matrix but holds T_u×T_v ones. With one-hot lefts, left_u,s · left_v,t is a
+lookup: the dense left at row x_s, so ⟨G_emb, G_head⟩ = Σ_s Σ_t g^head_t[x_s] · (a_t · g^emb_s). This is the
+cross term of a shared (tied) parameter. As for a layer's own norm (SPEC §2's mixed rule), ``inner_product`` forms
+a dense side's gradient instead where it is the smaller (long sequences): ⟨G_emb, G_head⟩ = Σ_s g^emb_s · G_head[x_s].
 """
 
 from __future__ import annotations
