@@ -7,8 +7,9 @@ token id x_t and right = g. Two such gradients of the same parameter have the in
     ⟨G_u, G_v⟩ = Σ_{s,t} (left_u,s · left_v,t) (right_u,s · right_v,t),
 which never forms a p×d (or V×d) matrix but holds T_u×T_v ones. With one-hot lefts, left_u,s · left_v,t is a
 lookup: the dense left at row x_s, so ⟨G_emb, G_head⟩ = Σ_s Σ_t g^head_t[x_s] · (a_t · g^emb_s). This is the
-cross term of a shared (tied) parameter. As for a layer's own norm (SPEC §2's mixed rule), ``inner_product`` forms
-a dense side's gradient instead where it is the smaller (long sequences): ⟨G_emb, G_head⟩ = Σ_s g^emb_s · G_head[x_s].
+cross term of a shared (tied) parameter. As for a layer's own norm (SPEC §2's mixed rule), ``inner_product``
+forms a dense side's gradient instead where it is the smaller (long sequences):
+⟨G_emb, G_head⟩ = Σ_s g^emb_s · G_head[x_s].
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def left_gram(u: OuterForm, v: OuterForm) -> Tensor:
 def inner_product(u: OuterForm, v: OuterForm) -> Tensor:
     """(B,) per-example ⟨G_u, G_v⟩ in fp32. The Gram form costs O(T_u·T_v) memory (several (B, T_u, T_v) matrices:
     64 MiB each per example at T = 4096); where a dense side's m×n gradient is smaller than twice that (SPEC §2's
-    mixed rule, as for a layer's own norm), it is instantiated instead and the other side reads it (``_instantiated``).
+    mixed rule, as for a layer's own norm), it is instantiated and the other side reads it (``_instantiated``).
     A tied LM head of vocabulary V and width d against its embedding then costs O(V·d + T·d), not O(T²)."""
     if not (u.left_is_ids and v.left_is_ids):
         dense = v if u.left_is_ids else u
