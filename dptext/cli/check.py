@@ -89,7 +89,23 @@ def run_plan(recipe) -> dict:
         found.update(correlated_noise_plan(recipe, found["delta"]))
     warning = delta_warning(found["delta"], found["delta_source"], found["dataset_size"])
     return {"private": True, **found, "max_grad_norm": recipe.privacy.max_grad_norm, "micro_batch": micro,
-            **({"warning": warning} if warning else {})}
+            "clipping": clipping_plan(recipe), **({"warning": warning} if warning else {})}
+
+
+def clipping_plan(recipe) -> str:
+    """How the clipped sums are formed, and for long sequences which layers the hybrid gives the ghost treatment
+    (``dptext.privacy.clipping.long_sequences``: by bytes per example, T × (input + output width) × 4 in fp32)."""
+    privacy, length = recipe.privacy, recipe.data.max_length
+    if privacy.clipping_mode != "bookkeeping":
+        return f"{privacy.clipping_mode} ({privacy.clipping_layout})"
+    if privacy.max_stored_bytes is None:
+        return (f"book-keeping ({privacy.clipping_layout}): one backward pass, every layer's records kept until the "
+                "norms are known (privacy.max_stored_bytes unset)")
+    width = privacy.max_stored_bytes / (4 * length)
+    return (f"book-keeping with ghost treatment for Linear/Conv1D/Embedding layers (not tied) whose input + output "
+            f"width exceeds {width:.0f}: their records would pass privacy.max_stored_bytes = "
+            f"{privacy.max_stored_bytes} bytes per example at T = {length} (fp32); a second backward pass forms "
+            "their clipped sums")
 
 
 def correlated_noise_plan(recipe, delta: float) -> dict:
@@ -116,7 +132,7 @@ def plan_rows(plan: dict) -> list[list]:
         return rows + [["privacy", plan["note"]]]
     rows += [["δ", f"{plan['delta']:.3g} ({plan['delta_source']})"],
              ["σ (noise multiplier)", f"{plan['noise_multiplier']:.4g} ({plan['sigma_source']})"],
-             ["C (clipping norm)", plan["max_grad_norm"]]]
+             ["C (clipping norm)", plan["max_grad_norm"]], ["clipping", plan["clipping"]]]
     return rows + [["note", note] for note in plan["notes"]]
 
 

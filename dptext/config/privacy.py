@@ -55,6 +55,12 @@ class PrivacyConfig:
         "two (ghost), or instantiated per-example gradients (per_sample, the reference).")
     clipping_layout: Literal["all_layer", "per_layer"] = doc(
         "all_layer", "One norm over the whole model, or a threshold per layer (group-wise clipping).")
+    max_stored_bytes: Optional[int] = doc(
+        None, "Book-keeping, long sequences: a layer whose records (input and output gradient) would hold more than "
+        "this many bytes per example at data.max_length tokens takes ghost clipping's treatment (norm in its "
+        "backward hook, clipped sum from a second backward pass). Empty: book-keeping for every layer; see "
+        "docs/privacy_engine.md 'Long sequences' for why that is the default.", ge=0,
+        only_with=("privacy.clipping_mode", "bookkeeping"))
     method: Literal["dp_sgd", "edp_sgd"] = doc(
         "dp_sgd", "DP-SGD with per-example clipping, or eDP-SGD (Dupuy et al., SPEC §4): each process's micro-batch "
         "gradient is clipped as one unit (sensitivity 2C, accounted as noise multiplier z/2); see docs/edp.md. "

@@ -187,7 +187,9 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
             sample_rate=plan.sample_rate, dataset_size=units, clipping_mode=privacy.clipping_mode,
             clipping_layout=privacy.clipping_layout, sampling=privacy.sampling,
             seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
-            ledger=training.ledger.record_step, distributed=dist, verify=privacy.verify)
+            ledger=training.ledger.record_step, distributed=dist, verify=privacy.verify,
+            max_stored_bytes=privacy.max_stored_bytes,  # long sequences: the hybrid (privacy/clipping/hybrid.py)
+            sequence_length=recipe.data.max_length if privacy.max_stored_bytes is not None else None)
         if privacy.verify and probe_now and dist.sharded:  # the probe ran on the whole model before fully_shard
             mark_verified(training.engine)
         elif privacy.verify and probe_now:

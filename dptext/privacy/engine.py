@@ -18,15 +18,14 @@ Clipping modes (same clipped sums, different cost):
 * ``ghost``: two backward passes (Li et al.): the first gives the norms, the second differentiates Σ_i c_i·loss_i
   with ordinary autograd. All-layer clipping only.
 * ``per_sample``: instantiates per-example gradients (the opacus way); the memory-hungry reference.
+* long sequences: ``max_stored_bytes`` gives book-keeping's layers over it ghost's treatment (``clipping/hybrid``).
 
 Fail closed (docs/privacy_engine.md): ``verify()`` runs the synthetic start-up probe against brute-force
 autograd; every step the records must cover exactly the planned parameters (``replan()`` after changing what is
 trained) and the clipped sums must satisfy the per-step invariant, or the step stops before the update.
 
-Modules: ``plan`` (which layers, which rules), ``clipped_step`` (one micro-batch in each mode), ``step_checks``
-and ``outside_reads`` (the every-step checks), ``verify`` and ``probe_checks`` (the start-up probe),
-``optimizer`` (noise once per logical step), ``settings`` (the privacy settings: checked, fixed, described),
-``engine_plan`` (the plan installed and removed).
+The rooms: ``clipping/`` (plan, rules' use, one micro-batch per mode), ``proof/`` (the start-up probe and the
+every-step checks), ``noise/``, ``sampling/``, ``sharding/``; ``settings`` and ``engine_plan`` beside this file.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsil
 from dptext.accounting.calibrate import check_training_accountant
 from dptext.errors import UserError
 from dptext.privacy.clipping.clipped_step import backward_once, clip_recorded, exact_arithmetic, ghost_backward
+from dptext.privacy.clipping import hybrid, long_sequences
 from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
 from dptext.privacy.clipping.plan import _sampling_numbers
 from dptext.privacy.engine_plan import install_plan, remove_plan
@@ -64,11 +64,10 @@ class PrivacyEngine:
     either of them. Sampler and noise come from independent children of one random root: by default a secret
     root drawn from ``os.urandom`` (never written anywhere); ``seed`` (an int or a ``RandomRoot``) makes them
     reproducible, and then the guarantee holds only while the seed stays secret (``mechanism()`` says so).
-    ``secure_rng=True`` also re-seeds the noise from the OS before every step.
-    ``ledger``, a ``dptext.accounting.PrivacyLedger`` (its ``record_step``) or any callable, is called as
-    ``record_step(sample_rate=q, noise_multiplier=σ)`` after every noisy step. ``distributed``, a
-    ``dptext.privacy.sharding.distributed.DistributedContext``, makes it one of N processes (torchrun): its
-    sampler covers this rank's shard, clipped sums are all-reduced and rank 0 adds the noise (see that module).
+    ``secure_rng=True`` also re-seeds the noise from the OS before every step. ``ledger``, a ``PrivacyLedger``
+    (its ``record_step``) or any callable, is called as ``record_step(sample_rate=q, noise_multiplier=σ)`` after
+    every noisy step. ``distributed``, a ``privacy.sharding.distributed.DistributedContext``, makes it one of N
+    processes (torchrun): its sampler covers this rank's shard, sums are all-reduced and rank 0 adds the noise.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
@@ -77,10 +76,13 @@ class PrivacyEngine:
                  clipping_layout: str = "all_layer", sampling: str = "poisson", seed: int | RandomRoot | None = None,
                  secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None,
                  verify: bool | ProbeReport = True, probe_batch: Callable[..., Any] | None = None,
-                 probe_loss: Callable[..., Any] | None = None):
+                 probe_loss: Callable[..., Any] | None = None, max_stored_bytes: float | None = None,
+                 sequence_length: int | None = None):
         self.sample_rate, self.dataset_size, self.expected_batch_size = _sampling_numbers(
             sample_rate, dataset_size, expected_batch_size)
         check_settings(clipping_mode, clipping_layout, sampling, noise_multiplier, max_grad_norm, seed, secure_rng)
+        self.max_stored_bytes, self.sequence_length = long_sequences.check_settings(
+            max_stored_bytes, sequence_length, clipping_mode, clipping_layout, distributed)
         self.model = model
         self._noise_multiplier = float(noise_multiplier)
         self._max_grad_norm = float(max_grad_norm)
@@ -121,8 +123,7 @@ class PrivacyEngine:
         if isinstance(verify, ProbeReport):  # a proof made on these modules before fully_shard
             adopt_proof(self, verify)
 
-    # σ and C are read by the optimizer's noise, the per-step invariant, mechanism() and the ledger: one value for
-    # all, fixed at construction (assigning a new one used to change ε but not the noise drawn).
+    # σ and C: one value for the noise, the per-step invariant, mechanism() and the ledger, fixed at construction
     noise_multiplier = fixed_setting("noise_multiplier")
     max_grad_norm = fixed_setting("max_grad_norm")
 
@@ -203,6 +204,8 @@ class PrivacyEngine:
         check_no_foreign_backward(self)
         if self.clipping_mode == "ghost":
             return ghost_backward(self, per_example_loss, unit_ids)
+        if self.ghost_modules:  # book-keeping with layers under the ghost treatment (long sequences)
+            return hybrid.hybrid_backward(self, per_example_loss, unit_ids)
         backward_once(per_example_loss)
         return clip_recorded(self, per_example_loss, unit_ids)
 

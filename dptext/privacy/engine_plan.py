@@ -9,7 +9,9 @@ from typing import Callable
 
 from dptext.errors import UserError
 from dptext.privacy.clipping.capture import UseRecorder
-from dptext.privacy.clipping.owned_params import carry_trainable_by_name, give_back, take_out_of_autograd
+from dptext.privacy.clipping.long_sequences import ghost_treated
+from dptext.privacy.clipping.owned_params import (carry_trainable_by_name, give_back, keep_in_autograd,
+                                                  take_out_of_autograd)
 from dptext.privacy.clipping.plan import (_check_optimizer, _module_names, find_tracked_modules, global_hook_keys,
                                           unproven_rules)
 from dptext.privacy.proof.outside_reads import OutsideReads
@@ -28,9 +30,12 @@ def install_plan(engine, prove_first_hook: Callable) -> None:
     _check_optimizer(engine.optimizer, engine.params, engine.param_names())
     engine.unproven = unproven_rules(engine.model, engine.tracked)
     engine.global_hooks = global_hook_keys()
-    # ghost mode's second pass is autograd over every path: check each step that there is no other one
-    # (installed before the recorder, which takes its hooks as the planned ones)
-    engine.outside_reads = OutsideReads(engine.model, engine.tracked if engine.clipping_mode == "ghost" else {})
+    # book-keeping's layers over the memory rule take the ghost treatment (clipping/long_sequences.py)
+    engine.ghost_modules = ghost_treated(engine.tracked, engine.max_stored_bytes, engine.sequence_length)
+    # ghost mode's second pass (and the hybrid's, for its ghost-treated layers) is autograd over every path: check
+    # each step that there is no other one (installed before the recorder, which takes its hooks as the planned ones)
+    engine.outside_reads = OutsideReads(engine.model, engine.tracked if engine.clipping_mode == "ghost" else
+                                        {module: engine.tracked[module] for module in engine.ghost_modules})
     # the proof's hook first: it runs before the recorder's own hooks see the call (and is part of the plan
     # the recorder snapshots, so a tracked root does not read it as a foreign hook added later)
     prove_first = engine.model.register_forward_pre_hook(prove_first_hook, prepend=True)
@@ -41,7 +46,10 @@ def install_plan(engine, prove_first_hook: Callable) -> None:
     engine.planned_names = {name for name, param in engine.model.named_parameters(remove_duplicate=False)
                             if param in engine.planned_dtypes}  # a parameter replaced later is trained as before
     if engine.clipping_mode != "ghost":  # autograd must not spend time on weight gradients we compute ourselves
-        take_out_of_autograd(engine.params)
+        in_autograd = {module.get_parameter(name) for module in engine.ghost_modules
+                       for name in engine.tracked[module][1]}
+        take_out_of_autograd([param for param in engine.params if param not in in_autograd])
+        keep_in_autograd(in_autograd)
 
 
 def remove_plan(engine, replanning: bool) -> None:

@@ -92,6 +92,9 @@ class UseRecorder:
         self.recording = True
         self._expanded: set[nn.Module] = set()
         self._pending: list[Use] = []  # uses of the running forward, output held until the model returns
+        # the hybrid's pass 1 (``clipping/hybrid.py``): called with each use as its output gradient arrives, it may
+        # take the use's norm there and release its tensors (a layer under the ghost treatment)
+        self.norm_in_hook = None
         self.names = names or {module: name for name, module in root.named_modules()}
         self._handles = [root.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
                          root.register_forward_hook(self._on_model_return)]
@@ -123,8 +126,10 @@ class UseRecorder:
         """The uses whose output received a gradient; forgets them all (their tensors can be freed)."""
         for use in self.uses:  # last look for in-place changes, before anything is computed from the uses
             use.problem = use.problem or use.in_place_problem()
-        # A view changed in place can lose its gradient hook altogether: keep such uses so the step stops.
-        uses = [use for use in self.uses if use.grad_output is not None or use.problem in (IN_PLACE, INPUT_IN_PLACE)]
+        # A view changed in place can lose its gradient hook altogether: keep such uses so the step stops. A use whose
+        # norm was taken in its gradient hook (the hybrid's ghost treatment) received its gradient and released it.
+        uses = [use for use in self.uses if use.grad_output is not None or use.norm_sq is not None
+                or use.problem in (IN_PLACE, INPUT_IN_PLACE)]
         self.uses, self.expansions, self._pending = [], [], []
         return uses
 
@@ -250,7 +255,7 @@ class UseRecorder:
         # (node → hook → use → edge → node) that Python's collector cannot see: holding the use or the output
         # kept every step's layer outputs alive for the whole run (+665 MB per step on SmolLM2, T=64, B=8).
         # The recorder's list owns the use until the engine takes it; the hook only looks it up.
-        use_ref, shape = weakref.ref(use), output.shape
+        use_ref, shape, recorder_ref = weakref.ref(use), output.shape, weakref.ref(self)
 
         def keep_grad(grad: Tensor) -> None:
             use = use_ref()
@@ -259,6 +264,9 @@ class UseRecorder:
             use.problem = use.problem or use.in_place_problem()
             grad = grad.view(shape) if reshape else grad
             use.grad_output = grad if grad_view is None else grad_view(grad)
+            recorder = recorder_ref()
+            if recorder is not None and recorder.norm_in_hook is not None:
+                recorder.norm_in_hook(use)
 
         hooked.register_hook(keep_grad)
         self.uses.append(use)

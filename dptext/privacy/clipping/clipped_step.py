@@ -131,12 +131,7 @@ def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = N
     engine.outside_reads.clear()
     if param is not None:
         engine.recorder.take_uses()
-        # the plan's names: under FSDP2 the model may hold gathered copies of its parameters right now
-        name = engine.dp_optimizer.param_names.get(param, tuple(param.shape))
-        raise UserError(f"Parameter '{name}' is read outside the layers that own it (a functional use such as "
-                        "F.linear(h, embed.weight), or a second module reading it), a path ghost clipping's norms do "
-                        "not see; nothing from this batch was applied — call the owning module instead, or freeze "
-                        "the parameter.")
+        refuse_outside_read(engine, param)
     _norm_pass(engine, per_example_loss)
     uses = checked_uses(engine, per_example_loss)
     if uses is None:  # refused on this rank: under FSDP2 it still joins pass 2's reduce-scatter, adding nothing
@@ -163,6 +158,17 @@ def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = N
         check_invariant(engine, {}, norms, count)
         engine.dp_optimizer.add_reduced(sums, count)
     return norms
+
+
+def refuse_outside_read(engine, param) -> None:
+    """A parameter whose clipped sum autograd forms (ghost clipping, the hybrid's ghost treatment) read outside
+    its layers: a path the norms do not see."""
+    # the plan's names: under FSDP2 the model may hold gathered copies of its parameters right now
+    name = engine.dp_optimizer.param_names.get(param, tuple(param.shape))
+    raise UserError(f"Parameter '{name}' is read outside the layers that own it (a functional use such as "
+                    "F.linear(h, embed.weight), or a second module reading it), a path ghost clipping's norms do "
+                    "not see; nothing from this batch was applied — call the owning module instead, or freeze "
+                    "the parameter.")
 
 
 def ghost_join(engine, per_example_loss: Tensor) -> None:

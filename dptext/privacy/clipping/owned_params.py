@@ -12,8 +12,10 @@ it (the probe's brute-force reference, a checkpoint reader) is unchanged and nev
 FSDP2's sharded parameters are DTensors (FSDP2 copies their ``requires_grad`` to the gathered weights): they
 are given ``EngineDTensor``, a DTensor subclass that records a freeze the same way and is dispatched as a DTensor
 (its operations return plain DTensors). Ghost clipping leaves the flags alone: there a frozen parameter is simply
-one whose flag went False. Parameters of any other class (quantised weights) keep their class, and a freeze after
-the plan is not seen for them in book-keeping and per_sample.
+one whose flag went False. So does the hybrid for the parameters of its ghost-treated layers (``long_sequences``:
+their clipped sums are autograd's), which are marked (``keep_in_autograd``) so that a freeze is seen the same way.
+Parameters of any other class (quantised weights) keep their class, and a freeze after the plan is not seen for
+them in book-keeping and per_sample.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 
 _FLAG = torch._C.TensorBase.requires_grad  # autograd's own flag, under the property below
 _FROZEN = "_dptext_frozen_since_plan"
+_IN_AUTOGRAD = "_dptext_ghost_treated"  # a book-keeping parameter the plan left in autograd (hybrid)
 
 
 def _note(param: torch.Tensor, requires_grad: bool) -> None:
@@ -136,9 +139,16 @@ def take_out_of_autograd(params: list[nn.Parameter]) -> None:
             param.__class__ = engine_class
 
 
+def keep_in_autograd(params) -> None:
+    """The hybrid's ghost-treated parameters: left in autograd (pass 2 forms their sums), a freeze seen as in ghost
+    clipping."""
+    for param in params:
+        param.__dict__[_IN_AUTOGRAD] = True
+
+
 def frozen_since_plan(param: nn.Parameter, clipping_mode: str) -> bool:
     """Whether the user froze ``param`` after the engine planned it."""
-    if clipping_mode == "ghost":
+    if clipping_mode == "ghost" or param.__dict__.get(_IN_AUTOGRAD, False):
         return not param.requires_grad
     return bool(param.__dict__.get(_FROZEN, False))
 
@@ -148,6 +158,8 @@ def give_back(params: list[nn.Parameter], keep: set | None = None) -> None:
     requires grad unless it was frozen since the plan or is not in ``keep`` (no longer the model's)."""
     for param in params:
         frozen = bool(param.__dict__.pop(_FROZEN, False))
+        if param.__dict__.pop(_IN_AUTOGRAD, False):
+            frozen = not param.requires_grad
         if isinstance(param, _NotesFreezes):
             param.__class__ = type(param).plain_class
         param.requires_grad_(not frozen and (keep is None or param in keep))

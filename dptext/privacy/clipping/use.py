@@ -28,6 +28,8 @@ class Use:
     output_ref: Any = field(default=None, repr=False)  # set only for outputs that must not change in place
     edge: Any = field(default=None, repr=False)  # where ghost clipping's first pass takes the output gradient
     kept_versions: tuple = field(default=(), repr=False)  # (tensor, version) of what the rule kept
+    # the hybrid's ghost treatment: {parameter name: (B,) squared norm} taken in the gradient hook, tensors released
+    norm_sq: dict | None = field(default=None, repr=False)
 
     def in_place_problem(self) -> str | None:
         """Why an in-place change makes this use's gradient untrustworthy (seen so far), or None."""
