@@ -124,7 +124,8 @@ def test_a_non_private_plan_has_no_sigma(tmp_path, capsys):
 def test_a_correlated_noise_plan_shows_the_sigma_the_run_draws(tmp_path, capsys, mechanism):
     """Not DP-SGD's Poisson σ: the one Gaussian mechanism's, and cyclic batches (issue 47)."""
     overrides = [*TINY, f"data.path={own_data(tmp_path)}", "privacy.delta=1e-5", f"privacy.mechanism={mechanism}",
-                 "privacy.sampling=cyclic", "privacy.mf_bands=2" if mechanism == "banded_mf" else "privacy.blt_buffers=2"]
+                 "privacy.sampling=cyclic",
+                 "privacy.mf_bands=2" if mechanism == "banded_mf" else "privacy.blt_buffers=2"]
     plan = check_plan([str(QUICKSTART), *overrides], capsys)
     result = run_finetune(config.load_recipe(QUICKSTART, overrides), out=tmp_path / "run")
     assert plan["noise_multiplier"] == pytest.approx(result["privacy"]["noise_multiplier"], rel=1e-12)
