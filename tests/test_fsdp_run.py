@@ -86,18 +86,24 @@ def test_sharded_checkpoints_are_listed_and_the_model_folder_is_ordinary(sharded
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.slow  # a second torchrun run: about 40 s on a loaded 2-core machine
-def test_sharded_resume_reaches_identical_weights_and_ledger(sharded_run, tmp_path):
-    from safetensors.torch import load_file
-
-    resumed = tmp_path / "resumed"  # the same run, as if it had stopped after its step-2 checkpoint
-    shutil.copytree(sharded_run, resumed)
+def resume_from_step_2(run: Path, tmp_path: Path) -> Path:
+    """A copy of the 4-step ``run`` as if it had stopped after its step-2 checkpoint, resumed with torchrun."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
     (resumed / "result.json").unlink()
     (resumed / "checkpoints" / "step-00000004.pt").unlink()
     shutil.rmtree(resumed / "checkpoints" / "step-00000004.dcp")
     (resumed / "checkpoints" / "LATEST").write_text("step-00000002.pt\n")
     shutil.rmtree(resumed / "model")
     torchrun("--resume", str(resumed), cwd=tmp_path)
+    return resumed
+
+
+@pytest.mark.slow  # a second torchrun run: about 40 s on a loaded 2-core machine
+def test_sharded_resume_reaches_identical_weights_and_ledger(sharded_run, tmp_path):
+    from safetensors.torch import load_file
+
+    resumed = resume_from_step_2(sharded_run, tmp_path)
     straight, again = load_file(sharded_run / "model" / "model.safetensors"), load_file(resumed / "model" /
                                                                                         "model.safetensors")
     assert sorted(straight) == sorted(again)

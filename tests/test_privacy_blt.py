@@ -118,10 +118,10 @@ def test_mismatched_settings_are_refused():
         BLTEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=1.0, max_grad_norm=1.0,
                   dataset_size=10, steps=4, bins=2, blt=STRATEGY, sampling="poisson")
 
-    class Torchrun:
-        active = True
+    class Torchrun:  # data-parallel torchrun without FSDP2 sharding
+        active, sharded = True, False
 
-    with pytest.raises(UserError, match="one process"):
+    with pytest.raises(UserError, match="train.sharding=fsdp"):
         blt_engine(distributed=Torchrun())
     with pytest.raises(UserError, match="not all non-negative"):  # sensitivity unproven for this C at 40 steps
         blt_engine(blt=BLT(1.0, (0.8,), (-0.7,)), steps=40, bins=10)

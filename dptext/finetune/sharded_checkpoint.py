@@ -1,6 +1,8 @@
 """Checkpoints of an FSDP2-sharded run (``train.sharding: fsdp``; docs/sharding.md): every rank writes and reads its
 own shards of the model and the optimizer with ``torch.distributed.checkpoint``; the ordinary checkpoint
 (``step-N.pt``, written by rank 0 after them) holds the sampler's, noise's and RNG states and points to the folder.
+Correlated noise (banded MF, BLT) keeps per-rank filter state; it is written with the weights
+(``dptext.privacy.sharding.sharded_filter``).
 
 Resume continues bit for bit: the weights, Adam's moments and step counts come back on every rank (torch restores an
 optimizer's state only for parameters that require grad, and book-keeping takes them all out of autograd, so they
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dptext.errors import UserError
+from dptext.privacy.sharding.sharded_filter import PREFIX, filter_state, filter_template, put_back
 
 
 def weights_dir(checkpoints: Path, step: int) -> str:
@@ -56,6 +59,9 @@ def save_weights(training: Any, checkpoints: Path, step: int) -> str:
     dist.barrier()
     state = {"model": get_model_state_dict(training.model),
              "optimizer": get_optimizer_state_dict(training.model, training.optimizer)}
+    noise = filter_state(getattr(training, "engine", None))  # correlated noise: each rank's rows of its state
+    if noise:
+        state[PREFIX] = noise
     dcp.save(state, checkpoint_id=str(staging))
     dist.barrier()
     if training.dist.is_writer:
@@ -105,7 +111,11 @@ def load_weights(training: Any, checkpoints: Path, name: str) -> None:
         state = {"model": get_model_state_dict(training.model),
                  "optimizer": only_saved_states(get_optimizer_state_dict(training.model, training.optimizer),
                                                 saved_keys)}
+        noise = filter_template(getattr(training, "engine", None), saved_keys)
+        if noise:
+            state[PREFIX] = noise
         dcp.load(state, checkpoint_id=str(staging))
+        put_back(getattr(training, "engine", None), noise)
         set_model_state_dict(training.model, state["model"])
         # not strict: a parameter the checkpoint holds no state for (only_saved_states) is expected; it is left
         # without state (optimizer.load_state_dict replaces the fresh states), and the count check refuses any other

@@ -13,6 +13,10 @@ secret noise stream, division by the expected batch size. Two things change, and
 for the sampler's (k, P) schema (``accounting/banded_mf.py``), never taken from the caller. No amplification by
 sampling is claimed, so Poisson sampling is refused (its amplified accounting for banded MF is not implemented),
 and so is a band wider than the separation P (its sensitivity is not proven) and a step beyond the S planned.
+
+Under FSDP2 (``train.sharding: fsdp``) each rank filters the keyed noise of the rows it owns and keeps their state
+only (``noise/correlated.py``), and every rank trains its members of the same global bins
+(``sharding/cyclic_ranks.py``); plain torchrun data parallelism without sharding is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dptext.privacy.noise.correlated import CorrelatedNoise, FilteredNoise
 from dptext.privacy.noise.optimizer import NoiseSource
 from dptext.privacy.noise.randomness import randomness_note
 from dptext.privacy.sampling.cyclic import CyclicBinSampler
+from dptext.privacy.sharding.cyclic_ranks import rank_cyclic_sampler
 
 MECHANISM = "banded_mf"
 POISSON_REFUSED = ("Banded MF noise is accounted here without amplification by sampling, for cyclic batches with a "
@@ -53,9 +58,9 @@ class CorrelatedNoiseEngine(PrivacyEngine):
                  ledger: Any = None, distributed: Any = None, **options: Any):
         if sampling != "cyclic":
             raise UserError(self.poisson_refused)
-        if distributed is not None and distributed.active:
-            raise UserError(f"The {self.label} noise runs in one process for now (its buffers are not sharded); "
-                            "train it without torchrun, or use mechanism dp_sgd.")
+        if distributed is not None and distributed.active and not distributed.sharded:
+            raise UserError(f"The {self.label} noise runs under torchrun only with train.sharding=fsdp (each rank "
+                            "keeps the noise state of the rows it owns); set it, or train in one process.")
         if isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins <= dataset_size:
             raise UserError(f"The cyclic separation P (bins) must be a whole number from 1 to the dataset size "
                             f"({dataset_size}), got {bins!r}.")
@@ -64,7 +69,7 @@ class CorrelatedNoiseEngine(PrivacyEngine):
         self.strategy_sensitivity = self._sensitivity()
         super().__init__(model, optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                          dataset_size=dataset_size, expected_batch_size=dataset_size / bins, ledger=ledger,
-                         **options)
+                         distributed=distributed, **options)
         self._wrap_noise()
 
     def _sensitivity(self) -> float:
@@ -98,6 +103,8 @@ class CorrelatedNoiseEngine(PrivacyEngine):
         """The cyclic bins this engine is accounted for, from the root's secret "sampler" child."""
         if steps is not None and steps != self.planned_steps:
             raise UserError(f"The {self.label} strategy was accounted for {self.planned_steps} steps, not {steps}.")
+        if self.distributed is not None:  # FSDP2: the same global bins on every rank, each training its members
+            return rank_cyclic_sampler(self.root, self.distributed, self.dataset_size, self.bins, self.planned_steps)
         return CyclicBinSampler(self.dataset_size, self.bins, self.planned_steps, self.root.generator("sampler"))
 
     def user_sampler(self, *args: Any, **kwargs: Any):
@@ -126,7 +133,10 @@ class CorrelatedNoiseEngine(PrivacyEngine):
                 "planned_steps": self.planned_steps,
                 "separation": self.schema.separation, "max_participations": self.schema.max_participations,
                 "sampling": "cyclic", "participation": "balls-in-bins: min separation P, ≤ ⌈S/P⌉ steps each",
-                "processes": 1, "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
+                "processes": self.distributed.world_size if self.distributed else 1,
+                **({"noise_site": "each rank its own rows, from the keyed per-coordinate stream"}
+                   if self.distributed else {}),
+                "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
                 "clipping_verified": self.verified}
 
 

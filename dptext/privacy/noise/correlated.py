@@ -18,6 +18,11 @@ Both are drop-in ``NoiseSource``s for ``DPOptimizer`` (``FilteredNoise``): ``nor
 parameters asked, and the optimizer asks each parameter's noise exactly once per step (its contract), so the
 per-parameter state advances with the steps. That state (generators and buffers) is checkpointed, so a resume
 continues the same noise bit for bit.
+
+Under FSDP2 (``privacy/sharding/sharded.py``) the source is the keyed ``ShardedNoise`` and the optimizer asks each
+parameter's noise for the rows its rank owns (``rows``): z_t of those coordinates is the one-process draw, the
+filter is linear and per coordinate, so w_t is too, and the state kept is that of the rank's rows only (≈ 1/N).
+That state is then saved by every rank into the sharded checkpoint (``sharding/sharded_filter.py``), not here.
 """
 
 from __future__ import annotations
@@ -64,14 +69,50 @@ class FilteredNoise:
             out.append(self._filter(self._index[like], z))
         return out
 
+    def rows(self, std: float, param: nn.Parameter, name: str, size: int, start: int, count: int,
+             device: torch.device) -> Tensor:
+        """Sharded: this step's correlated noise of flat coordinates [start, start + count) of ``param``, the rows
+        this rank owns (the same ones at every step), filtered from the keyed draw of those coordinates."""
+        if param not in self._index:
+            raise ValueError("correlated noise is kept per planned parameter; this tensor is not one")
+        return self._filter(self._index[param], self.source.normal(std, name, size, start, count, device))
+
+    @property
+    def step(self) -> int:  # the keyed source's step count (sharded), which the optimizer advances
+        return self.source.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.source.step = value
+
+    @property
+    def sharded(self) -> bool:
+        return hasattr(self.source, "block_seed")
+
     def _filter(self, index: int, z: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def kept(self, index: int) -> list[Tensor]:
+        """The filter state of parameter ``index``: the tensors a resume needs, in order."""
+        raise NotImplementedError
+
+    def keep(self, index: int, tensors: list[Tensor]) -> None:
+        raise NotImplementedError
+
     def state_dict(self) -> dict:
-        return {"generators": self.source.state_dict(), **self._filter_state()}
+        if self.sharded:  # the tensors are each rank's own rows: they go to the sharded checkpoint instead
+            return {"generators": self.source.state_dict(), **self._filter_state(), "sharded": True}
+        return {"generators": self.source.state_dict(), **self._filter_state(),
+                # copies: the buffers change in place at every step, and a saved state must not change with them
+                "kept": [[t.to("cpu", copy=True) for t in self.kept(i)] for i in range(len(self.params))]}
 
     def load_state_dict(self, state: dict) -> None:
         self._load_filter_state(state)
+        if self.sharded != bool(state.get("sharded")):
+            raise ValueError("the checkpoint's correlated noise was kept under another sharding")
+        if not self.sharded:  # a sharded state was put back from the sharded checkpoint, before this
+            for i, (param, saved) in enumerate(zip(self.params, state["kept"])):
+                self.keep(i, [t.to(param.device, copy=True) for t in saved])
         self.source.load_state_dict(state["generators"])
 
 
@@ -96,15 +137,19 @@ class CorrelatedNoise(FilteredNoise):
             past.appendleft(noise.clone())
         return noise
 
+    def kept(self, index: int) -> list[Tensor]:
+        return list(self.history[index])
+
+    def keep(self, index: int, tensors: list[Tensor]) -> None:
+        self.history[index].clear()
+        self.history[index].extend(tensors)
+
     def _filter_state(self) -> dict:
-        return {"coefficients": list(self.coefficients), "history": [[w.cpu() for w in past] for past in self.history]}
+        return {"coefficients": list(self.coefficients)}
 
     def _load_filter_state(self, state: dict) -> None:
         if list(state["coefficients"]) != self.coefficients:
             raise ValueError("the checkpoint's correlated noise was drawn for another strategy")
-        for param, past, saved in zip(self.params, self.history, state["history"]):
-            past.clear()
-            past.extend(w.to(param.device) for w in saved)
 
 
 class BufferedNoise(FilteredNoise):
@@ -136,13 +181,15 @@ class BufferedNoise(FilteredNoise):
                 torch.add(noise, s, alpha=t, out=s)  # s ← θ·s + w in one pass over the buffer
         return noise
 
+    def kept(self, index: int) -> list[Tensor]:
+        return list(self.buffers[index])
+
+    def keep(self, index: int, tensors: list[Tensor]) -> None:
+        self.buffers[index][:] = tensors
+
     def _filter_state(self) -> dict:
-        # copies: the buffers change in place at every step, and a saved state must not change with them
-        saved = [[s.to("cpu", copy=True) for s in kept] for kept in self.buffers]
-        return {"blt": list(self.strategy), "buffers": saved}
+        return {"blt": list(self.strategy)}
 
     def _load_filter_state(self, state: dict) -> None:
         if list(state["blt"]) != self.strategy:
             raise ValueError("the checkpoint's BLT noise was drawn for another strategy")
-        for param, kept, saved in zip(self.params, self.buffers, state["buffers"]):
-            kept[:] = [s.to(param.device, copy=True) for s in saved]

@@ -101,6 +101,12 @@ class ShardedNoise:
             position = end
         return out
 
+    def rows(self, std: float, param: Tensor, name: str, size: int, start: int, count: int,
+             device: torch.device) -> Tensor:
+        """``normal`` as the sharded optimizer asks it (a correlated filter, ``noise/correlated.py``, also takes
+        the parameter, whose state it keeps)."""
+        return self.normal(std, name, size, start, count, device)
+
     def state_dict(self) -> dict:
         return {"sharded_key": self.key, "step": self.step}
 
@@ -162,11 +168,11 @@ class ShardedDPOptimizer(DPOptimizer):
         std = self.noise_multiplier * self.max_grad_norm
         grads = self._checked_reduced()
         for param, local in grads.items():
-            if std > 0 and local.numel():
-                first, _ = local_rows(param, self.rank, self.world_size)
+            if std > 0:  # a rank owning no rows of ``param`` still asks (an empty draw): correlated noise keeps
+                first, _ = local_rows(param, self.rank, self.world_size)  # the same state on every rank
                 width = local.numel() // max(1, local.shape[0]) if local.ndim else 1
-                noise = self.noise.normal(std, self.param_names.get(param, "?"), param.numel(), first * width,
-                                          local.numel(), local.device)
+                noise = self.noise.rows(std, param, self.param_names.get(param, "?"), param.numel(), first * width,
+                                        local.numel(), local.device)
                 local.add_(noise.view_as(local))
             local.div_(self.expected_batch_size)
         self.noise.step += 1
