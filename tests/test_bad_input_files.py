@@ -87,6 +87,15 @@ def test_gzip_bytes_named_csv_and_an_unreadable_csv(tmp_path, capsys, monkeypatc
     check(plain, capsys, "cannot be read (permission denied)")
 
 
+def test_a_csv_cut_short_inside_a_quote_or_past_csvs_field_limit_names_the_row(tmp_path, capsys):
+    """A file cut short inside a quoted field made its last row a record without a label (accepted: n one too
+    many); a quote that never closes in a large file hit csv's field limit (an 'unexpected Error')."""
+    text = "text,label\n" + rows(23) + '"review 23, cut short'
+    check(csv_file(tmp_path, text), capsys, "row 25 has fewer fields than the header's 2 columns", "cut short")
+    check(csv_file(tmp_path, 'text,label\n"' + "x" * 140_000 + "\n"), capsys, "not readable as CSV",
+          "field limit", "quoting")
+
+
 def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path, capsys):
     data = csv_file(tmp_path, "text,label,text\n" + "".join(f"a{i},{i % 2},b{i}\n" for i in range(24)))
     check(data, capsys, "'text'", "more than once")
