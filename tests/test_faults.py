@@ -99,6 +99,7 @@ def test_the_lock_dies_with_its_process_and_is_reentrant_within_one(tmp_path, ho
     assert not locking.holds_lock(folder)
 
 
+@pytest.mark.slow  # two torchrun launches of 2 processes: about a minute on 2 cores
 def test_under_torchrun_rank_0_alone_locks_and_a_second_launch_writes_nothing(tmp_path, holder):
     """Rank 0 alone takes the run folder's lock (dptext/finetune/run.py), and that suffices: the other ranks write
     into the folder only FSDP2's checkpoint shards, and only inside collectives that rank 0 joins after it holds the

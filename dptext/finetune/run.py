@@ -145,7 +145,10 @@ def _train(recipe: Any, out: Any, resume: Any, output: Any, build: Any, stop: An
             raise UserError(f"--resume continues the run in '{resume}' where it is; drop --out '{out}' (to train "
                             "into another folder, start a new run there).")
         run = RunDir.open(resume)
-        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 alone writes the run directory
+        # torchrun: rank 0 alone locks, which suffices: the other ranks write into the folder only FSDP2's
+        # checkpoint shards, inside collectives rank 0 joins after this (the ranks first meet in current()'s
+        # init_process_group; for a new run they wait for rank 0 to broadcast the folder it has locked)
+        if os.environ.get("RANK", "0") == "0":
             run.lock()
         finished = run.load_result()
         if finished is not None:
