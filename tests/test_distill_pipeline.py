@@ -97,6 +97,10 @@ def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, t
     assert read(tmp_path / "resumed") == read(tmp_path / "straight")
     records = [json.loads(line) for text in read(tmp_path / "straight").values() for line in text.splitlines()]
     assert sorted(r["index"] for r in records) == list(range(10))  # none lost, none twice
+    finished = {p: p.read_bytes() for p in (tmp_path / "straight").rglob("*") if p.is_file()}
+    with pytest.raises(UserError, match="other values of --n"):  # a finished folder is not "complete" for another n
+        synthesize(teacher, tmp_path / "straight", **{**settings, "n": 12})
+    assert {p: p.read_bytes() for p in (tmp_path / "straight").rglob("*") if p.is_file()} == finished
     assert all(r["code"] == f"Category: {r['category']} || Rating: {r['rating']}" for r in records)
     partial = synthesize(teacher, tmp_path / "other", **settings, max_chunks=1)
     assert partial["complete"] is False and partial["records_on_disk"] == 3
