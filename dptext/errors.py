@@ -18,26 +18,27 @@ class RunInterrupted(Exception):
     Not a ``KeyboardInterrupt``: Typer turns those into a silent exit 130, and this one must reach the CLI's
     error handler, which prints the ``--resume`` command when ``resumable`` (a checkpoint exists)."""
 
-    def __init__(self, run_dir: object, step: int | None, resumable: bool = True):
-        if step is not None:
-            message = f"interrupted after step {step} (checkpoint written)"
-        elif resumable:
-            message = "interrupted before training resumed (the run's checkpoints are as they were)"
-        else:
-            message = ("interrupted before the first training step, so nothing was trained or kept (a new run's "
-                       "folder is removed); start the run again")
-        super().__init__(message)
+    def __init__(self, run_dir: object, step: int | None, resumable: bool = True, message: str | None = None):
+        super().__init__(message or _interrupted(step, resumable))
         self.run_dir, self.step, self.resumable = run_dir, step, resumable
+
+
+def _interrupted(step: int | None, resumable: bool) -> str:
+    if step is not None:
+        return f"interrupted after step {step} (checkpoint written)"
+    if resumable:
+        return "interrupted before training resumed (the run's checkpoints are as they were)"
+    return ("interrupted before the first training step, so nothing was trained or kept (a new run's folder is "
+            "removed); start the run again")
 
 
 class RunStopped(RunInterrupted):
     """A second Ctrl-C stopped a training run at once, mid-step; ``resumable``: a checkpoint can continue it."""
 
     def __init__(self, run_dir: object, resumable: bool):
-        Exception.__init__(self, "stopped at once by a second Ctrl-C" + (
+        super().__init__(run_dir, None, resumable, "stopped at once by a second Ctrl-C" + (
             " (the steps since the last checkpoint are lost)" if resumable else
             "; no checkpoint was written, so nothing can be resumed"))
-        self.run_dir, self.step, self.resumable = run_dir, None, resumable
 
 
 NO_SPACE_ERRNOS = (28, 122)  # ENOSPC, EDQUOT (a full disk or a spent quota)
