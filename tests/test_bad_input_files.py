@@ -69,6 +69,9 @@ def test_a_latin1_character_in_a_csv_names_the_line(tmp_path, capsys):
 def test_gzip_bytes_named_csv_and_an_unreadable_csv(tmp_path, capsys, monkeypatch):
     data = csv_file(tmp_path, gzip.compress(("text,label\n" + rows()).encode()))
     check(data, capsys, "gzip-compressed", "gunzip")
+    from test_bad_input_fuzz import zipped
+
+    check(csv_file(tmp_path, zipped(("text,label\n" + rows()).encode()), name="zipped.csv"), capsys, "a zip archive")
     folder_named_csv = tmp_path / "folder.csv"
     folder_named_csv.mkdir()
     with pytest.raises(UserError, match="cannot be read"):

@@ -221,6 +221,16 @@ ROWS = "text,label\n" + "".join(f"\"review {i}, {'good' if i % 2 else 'bad'}\",{
 JSONL = "".join(f'{{"text": "review {i} was fine", "label": {i % 2}}}\n' for i in range(30))
 
 
+def zipped(content: bytes) -> bytes:
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("data", content)
+    return buffer.getvalue()
+
+
 def odd_versions(text: str) -> dict[str, bytes]:
     """The same content, damaged or re-encoded the ways that reached us (seeded: the same bytes every run)."""
     utf8 = text.encode("utf-8")
@@ -231,8 +241,8 @@ def odd_versions(text: str) -> dict[str, bytes]:
         "utf-16-le without bom": text.encode("utf-16-le"), "utf-8 bom": b"\xef\xbb\xbf" + utf8,
         "nul bytes": utf8[:30] + b"\x00\x00" + utf8[30:], "crlf": utf8.replace(b"\n", b"\r\n"),
         "cr only": utf8.replace(b"\n", b"\r"), "truncated": utf8[:len(utf8) // 2 + 3],
-        "gzip": __import__("gzip").compress(utf8), "random bytes": bytes(noise.randrange(256) for _ in range(600)),
-        "empty": b"", "whitespace only": b" \n\t\n",
+        "gzip": __import__("gzip").compress(utf8), "zip": zipped(utf8),
+        "random bytes": bytes(noise.randrange(256) for _ in range(600)), "empty": b"", "whitespace only": b" \n\t\n",
     }
 
 
