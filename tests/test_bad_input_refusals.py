@@ -128,12 +128,11 @@ def test_an_evaluation_split_without_a_record_is_refused(tmp_path, capsys):
     one = tmp_path / "one.csv"
     one.write_text("text,label\nhello there,positive\n")
     # a 1-record file (it printed δ = 0.5 and "ε ≤ 8" with no metric): no validation record, and δ = 1/(2n) = 0.5
-    for allowed in ([], ["privacy.allow_large_delta=true"]):
-        refused(finetune(tmp_path, f"data.path={one}", *allowed), capsys,
+    for allowed in (["privacy.allow_large_delta=true"], []):
+        refused(finetune(tmp_path, f"data.path={one}", "train.batch_size=1", *allowed), capsys,
                 "The validation split (eval.split) has no record", "data.validation_fraction")
     refused(["check", *finetune(tmp_path, f"data.path={one}", "train.batch_size=1")[1:-2]], capsys,
             "δ = 0.5 (1/(2n) with n=1")
-    refused(finetune(tmp_path, "data.max_eval_examples=0"), capsys, "validation split", "data.max_eval_examples")
     assert not (tmp_path / "run").exists()
 
 
