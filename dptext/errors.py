@@ -12,14 +12,33 @@ class UserError(Exception):
 
 
 class RunInterrupted(Exception):
-    """Ctrl-C stopped a training run cleanly: the current step finished and was checkpointed.
+    """Ctrl-C stopped a training run cleanly at a point the run chose (``dptext.finetune.interrupts``): after a step,
+    which was checkpointed, or (``step`` None) once the model had loaded, before this invocation trained.
 
     Not a ``KeyboardInterrupt``: Typer turns those into a silent exit 130, and this one must reach the CLI's
-    error handler, which prints the ``--resume`` command."""
+    error handler, which prints the ``--resume`` command when ``resumable`` (a checkpoint exists)."""
 
-    def __init__(self, run_dir: object, step: int):
-        super().__init__(f"interrupted after step {step} (checkpoint written)")
-        self.run_dir, self.step = run_dir, step
+    def __init__(self, run_dir: object, step: int | None, resumable: bool = True, message: str | None = None):
+        super().__init__(message or _interrupted(step, resumable))
+        self.run_dir, self.step, self.resumable = run_dir, step, resumable
+
+
+def _interrupted(step: int | None, resumable: bool) -> str:
+    if step is not None:
+        return f"interrupted after step {step} (checkpoint written)"
+    if resumable:
+        return "interrupted before training resumed (the run's checkpoints are as they were)"
+    return ("interrupted before the first training step, so nothing was trained or kept (a new run's folder is "
+            "removed); start the run again")
+
+
+class RunStopped(RunInterrupted):
+    """A second Ctrl-C stopped a training run at once, mid-step; ``resumable``: a checkpoint can continue it."""
+
+    def __init__(self, run_dir: object, resumable: bool):
+        super().__init__(run_dir, None, resumable, "stopped at once by a second Ctrl-C" + (
+            " (the steps since the last checkpoint are lost)" if resumable else
+            "; no checkpoint was written, so nothing can be resumed"))
 
 
 NO_SPACE_ERRNOS = (28, 122)  # ENOSPC, EDQUOT (a full disk or a spent quota)

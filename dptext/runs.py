@@ -14,9 +14,10 @@ Layout of ``runs/<recipe>-<timestamp>/`` (or ``--out``)::
 Only files registered in ``dptext.release`` may be written: ``atomic_write`` refuses any other inside a folder that
 has a ``release.json`` (and rewrites that manifest after each file it writes there), and ``write_manifest`` fails on
 an unregistered file it finds. Every file is written to a temporary name in the same folder, flushed, fsynced and
-renamed over the target, so a crash, Ctrl-C or a full disk (one sentence, ``dptext.errors.no_space_error``) leaves
-the old file or the new one, never a torn one. One process writes a run at a time (``dptext.locking``, the
-``.lock`` file). ``--resume DIR`` continues from the newest checkpoint that verifies (``dptext.checkpoint_files``).
+renamed over the target (``dptext.atomic``), so a crash, Ctrl-C or a full disk (one sentence,
+``dptext.errors.no_space_error``) leaves the old file or the new one, never a torn one. One process writes a run at
+a time (``dptext.locking``: a lock on the folder itself). ``--resume DIR`` continues from the newest checkpoint that
+verifies (``dptext.checkpoint_files``).
 """
 
 from __future__ import annotations
@@ -25,18 +26,17 @@ import datetime as _dt
 import json
 import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from dptext import release
+from dptext.atomic import (append_json_line, atomic_directory, atomic_write, atomic_write_json,  # noqa: F401
+                           atomic_write_text, write_manifest)  # (re-exported: the run's writers, used everywhere)
 from dptext.checkpoint_files import HashingWriter, checksum_path, load_newest_valid
 from dptext.config import dump_recipe, load_recipe
-from dptext.errors import UserError, is_no_space, no_space_error
+from dptext.errors import UserError
 from dptext.locking import lock_folder
 from dptext.locking import release as release_lock
-from dptext.output import _jsonable
 from dptext.textfiles import read_json, read_lines, visible_entries
 from dptext.provenance import provenance
 
@@ -50,95 +50,6 @@ FINAL_EVALUATION = "final_evaluation.jsonl"  # the final evaluation's finished b
 MODEL_DIR = "model"  # the trained model (or LoRA adapters) a finished run exports
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
-
-
-def append_json_line(path: str | Path, record: Any) -> None:
-    """Append ``record`` as one JSON line (a registered file); flushed and fsynced so a crash loses at most it."""
-    release.check_registered(Path(path))
-    with open(path, "a", encoding="utf-8") as handle:
-        size = handle.tell()
-        try:
-            handle.write(json.dumps(_jsonable(record)) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        except OSError as exc:  # a full disk: no torn line for the next record to be glued to
-            handle.truncate(size)
-            if is_no_space(exc):
-                raise no_space_error(path) from exc
-            raise
-
-
-def atomic_write(path: str | Path, write: Callable[[Any], None], binary: bool = False) -> None:
-    """Write ``path`` via ``write(fileobj)`` on a temp file, then rename it into place."""
-    path = Path(path)
-    root = release.check_registered(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; results should read like any other file
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if is_no_space(exc):
-            raise no_space_error(path) from exc
-        raise
-    if root is not None and path.name != release.MANIFEST:  # keep release.json in step with the folder
-        write_manifest(root)
-
-
-@contextmanager
-def atomic_directory(target: str | Path) -> Iterator[Path]:
-    """Yield a staging folder next to ``target``; on success it replaces ``target`` in one rename.
-
-    For outputs that are folders (a saved model): readers see the old folder or the complete new one.
-    """
-    target = Path(target)
-    root = release.check_registered(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    os.chmod(staging, 0o777 & ~_umask())
-    try:
-        yield staging
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except Exception as exc:  # e.g. save_pretrained on a full disk
-        if is_no_space(exc):
-            raise no_space_error(target) from exc
-        raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    if root is not None:
-        write_manifest(root)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text))
-
-
-def atomic_write_json(path: str | Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(_jsonable(data), indent=2) + "\n")
-
-
-def write_manifest(root: str | Path, kind: str | None = None, flags: Any = None, unit: Any = None) -> dict[str, Any]:
-    """(Re)write ``root/release.json``; kind, flags and privacy unit default to those of the manifest already there."""
-    previous = release.read_manifest(root) or {}
-    kind = kind or previous.get("kind", "run")
-    flags = list(previous.get("flags", {})) if flags is None else list(flags)
-    data = release.manifest(root, kind, flags, unit or previous.get("privacy_unit"))
-    atomic_write_text(Path(root) / release.MANIFEST, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
-    return data
 
 
 class RunDir:

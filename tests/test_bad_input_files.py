@@ -69,6 +69,9 @@ def test_a_latin1_character_in_a_csv_names_the_line(tmp_path, capsys):
 def test_gzip_bytes_named_csv_and_an_unreadable_csv(tmp_path, capsys, monkeypatch):
     data = csv_file(tmp_path, gzip.compress(("text,label\n" + rows()).encode()))
     check(data, capsys, "gzip-compressed", "gunzip")
+    from test_bad_input_fuzz import zipped
+
+    check(csv_file(tmp_path, zipped(("text,label\n" + rows()).encode()), name="zipped.csv"), capsys, "a zip archive")
     folder_named_csv = tmp_path / "folder.csv"
     folder_named_csv.mkdir()
     with pytest.raises(UserError, match="cannot be read"):
@@ -85,6 +88,18 @@ def test_gzip_bytes_named_csv_and_an_unreadable_csv(tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr("builtins.open", denied)
     check(plain, capsys, "cannot be read (permission denied)")
+
+
+def test_a_csv_cut_short_inside_a_quote_or_past_csvs_field_limit_names_the_row(tmp_path, capsys):
+    """A file cut short inside a quoted field made its last row a record without a label (accepted: n one too
+    many); a quote that never closes in a large file hit csv's field limit (an 'unexpected Error'); a NUL byte
+    went into a record's text (a recipe or jsonl file with one is refused)."""
+    text = "text,label\n" + rows(23) + '"review 23, cut short'
+    check(csv_file(tmp_path, text), capsys, "row 25 has fewer fields than the header's 2 columns", "cut short")
+    check(csv_file(tmp_path, 'text,label\n"' + "x" * 140_000 + "\n"), capsys, "not readable as CSV",
+          "field limit", "quoting")
+    check(csv_file(tmp_path, "text,label\n" + rows(3) + "caf\x00e was good,1\n" + rows(20)), capsys,
+          "row 5 holds a NUL byte")
 
 
 def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path, capsys):

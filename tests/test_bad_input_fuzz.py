@@ -209,3 +209,73 @@ def test_extra_positional_arguments_are_refused(command):
     code, err, left = run_cli([command, *needs, "stray=1", "another-stray"])
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert left == []
+
+
+# --------------------------------------------------------------------------- odd files (issue 46)
+# Recipes and data files as they arrive from other tools: other encodings, a byte order mark, NUL bytes, CRLF, cut
+# short, compressed, random bytes, empty. `dptext check` (recipe and data) and `dptext data` must either accept one
+# or refuse it in one sentence, exit 2, never a traceback and nothing written.
+
+RECIPE = Path(QUICKSTART).read_bytes()
+ROWS = "text,label\n" + "".join(f"\"review {i}, {'good' if i % 2 else 'bad'}\",{i % 2}\n" for i in range(30))
+JSONL = "".join(f'{{"text": "review {i} was fine", "label": {i % 2}}}\n' for i in range(30))
+
+
+def zipped(content: bytes) -> bytes:
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("data", content)
+    return buffer.getvalue()
+
+
+def odd_versions(text: str) -> dict[str, bytes]:
+    """The same content, damaged or re-encoded the ways that reached us (seeded: the same bytes every run)."""
+    utf8 = text.encode("utf-8")
+    noise = __import__("random").Random(46)
+    return {
+        "utf-8": utf8, "latin-1 byte": utf8[:20] + b"caf\xe9 " + utf8[20:],
+        "latin-1": text.encode("latin-1", errors="replace"), "utf-16": text.encode("utf-16"),
+        "utf-16-le without bom": text.encode("utf-16-le"), "utf-8 bom": b"\xef\xbb\xbf" + utf8,
+        "nul bytes": utf8[:30] + b"\x00\x00" + utf8[30:], "crlf": utf8.replace(b"\n", b"\r\n"),
+        "cr only": utf8.replace(b"\n", b"\r"), "truncated": utf8[:len(utf8) // 2 + 3],
+        "gzip": __import__("gzip").compress(utf8), "zip": zipped(utf8),
+        "random bytes": bytes(noise.randrange(256) for _ in range(600)), "empty": b"", "whitespace only": b" \n\t\n",
+    }
+
+
+def assert_accepted_or_one_sentence(args: list[str]) -> None:
+    code, err, left = run_cli(args)
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and code in (0, 2), (args, code, err)
+    if code == 2:
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, err)
+    assert not [name for name in left if not name.startswith("data.")], (args, left)  # nothing written
+
+
+def write_in(folder: Path, name: str, content: bytes) -> Path:
+    path = folder / name
+    path.write_bytes(content)
+    return path
+
+
+CHECK_DATA = ["model.name=tiny-bert", "data.dataset=null", "data.max_train_examples=null", "train.batch_size=4",
+              "task.type=classification", "task.labels=[0,1]", "train.max_steps=1", "eval.split=validation"]
+
+
+@pytest.mark.parametrize("kind", list(odd_versions(RECIPE.decode("utf-8"))))
+def test_a_recipe_in_any_encoding_or_damaged_is_accepted_or_one_sentence(kind, tmp_path):
+    data = write_in(tmp_path, "data.csv", ROWS.encode("utf-8"))
+    recipe = write_in(tmp_path, "recipe.yaml", odd_versions(RECIPE.decode("utf-8"))[kind])
+    assert_accepted_or_one_sentence(["check", str(recipe), *CHECK_DATA, f"data.path={data}"])
+
+
+@pytest.mark.parametrize("suffix, text", [("csv", ROWS), ("jsonl", JSONL)])
+@pytest.mark.parametrize("kind", [*odd_versions(""), "header only"])
+def test_a_data_file_in_any_encoding_or_damaged_is_accepted_or_one_sentence(kind, suffix, text, tmp_path):
+    content = text.splitlines(keepends=True)[0].encode() if kind == "header only" else odd_versions(text)[kind]
+    data = write_in(tmp_path, f"data.{suffix}", content)
+    assert_accepted_or_one_sentence(["check", QUICKSTART, *CHECK_DATA, f"data.path={data}"])
+    assert_accepted_or_one_sentence(["data", suffix, "--path", str(data)])

@@ -31,7 +31,7 @@ def test_resume_with_another_out_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--sigma", "1", "--sample-rate", "0.01", "--steps", "100", "--delta", "0.5"], "--delta 0.5"),
+    (["--sigma", "1", "--sample-rate", "0.01", "--steps", "100", "--delta", "0.5"], "δ = 0.5 (--delta)"),
     (["--sigma", "1", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5", "--prv-eps-error", "0"],
      "--prv-eps-error must be a positive"),
 ])
@@ -93,3 +93,74 @@ def test_duplicated_rows_across_train_and_test_are_counted_and_warned(tmp_path, 
     diagnostics = runs.RunDir(tmp_path / "run").read_metrics(runs.DIAGNOSTICS)
     copies = next(r["copies"] for r in diagnostics if r.get("event") == "split_copies")
     assert copies > 0 and warning.startswith(f"warning: {copies} of the ")
+
+
+def test_a_delta_of_one_in_ten_or_more_is_refused_unless_allowed(tmp_path, capsys):
+    from test_bad_input_cases import cli
+
+    line = refused(finetune(tmp_path, "privacy.delta=0.2"), capsys, "δ = 0.2 (given)", "privacy.allow_large_delta")
+    assert "meaningless" in line and not (tmp_path / "run").exists()
+    refused(["check", *finetune(tmp_path, "privacy.delta=0.2")[1:-2]], capsys, "privacy.allow_large_delta=true")
+    code, err = cli(["check", *finetune(tmp_path, "privacy.delta=0.2", "privacy.allow_large_delta=true")[1:-2]],
+                    capsys)
+    assert code == 0 and "warning: δ = 0.2 is at least 1/n = 1/20" in err, err  # allowed, still warned
+    refused(["account", "--sigma", "1", "-q", "0.5", "--steps", "3", "--delta", "0.1"], capsys,
+            "δ = 0.1 (--delta)", "--allow-large-delta")
+    refused(["account", "--sigma", "1", "--batch-size", "1", "-n", "2", "--steps", "3"], capsys,
+            "δ = 0.25 (1/(2n) with n=2", "--allow-large-delta")  # the default δ of a tiny n
+    code, err = cli(["account", "--sigma", "1", "-q", "0.5", "--steps", "3", "--delta", "0.1",
+                     "--allow-large-delta", "--method", "rdp"], capsys)
+    assert code == 0, err
+
+
+def test_a_delta_of_one_over_n_or_more_is_warned_in_the_summary_and_the_diagnostics(tmp_path, capsys):
+    from test_bad_input_cases import cli
+
+    code, err = cli(finetune(tmp_path, "privacy.delta=0.05", "train.max_steps=1"), capsys)  # n = 20: 1/n = 0.05
+    warnings = [line for line in err.splitlines() if line.startswith("warning: δ = 0.05 is at least 1/n = 1/20")]
+    assert code == 0 and len(warnings) == 2, err  # at the start and in the summary
+    diagnostics = runs.RunDir(tmp_path / "run").read_metrics(runs.DIAGNOSTICS)
+    noted = [r for r in diagnostics if r.get("event") == "delta_warning"]
+    assert [(r["n"], r["delta"]) for r in noted] == [(20, 0.05)], diagnostics
+
+
+def test_an_evaluation_split_without_a_record_is_refused(tmp_path, capsys):
+    one = tmp_path / "one.csv"
+    one.write_text("text,label\nhello there,positive\n")
+    # a 1-record file (it printed δ = 0.5 and "ε ≤ 8" with no metric): no validation record, and δ = 1/(2n) = 0.5
+    for allowed in (["privacy.allow_large_delta=true"], []):
+        refused(finetune(tmp_path, f"data.path={one}", "train.batch_size=1", *allowed), capsys,
+                "The validation split (eval.split) has no record", "data.validation_fraction")
+    refused(["check", *finetune(tmp_path, f"data.path={one}", "train.batch_size=1")[1:-2]], capsys,
+            "δ = 0.5 (1/(2n) with n=1")
+    assert not (tmp_path / "run").exists()
+
+
+def test_account_on_an_unfinished_synth_folder_says_what_is_missing(tmp_path, capsys):
+    from dptext.cli.app import main
+
+    out = tmp_path / "synthetic"
+    out.mkdir()
+    runs.write_manifest(out, "synth")
+    runs.atomic_write_json(out / "plan.json", {"n": 4})
+    runs.atomic_write_text(out / "chunks" / "part-00000.jsonl", "{}\n")
+    for name in ("train.jsonl", "summary.json"):
+        runs.atomic_write_text(out / name, "{}\n")
+    for name in ("train.jsonl", "summary.json"):  # listed once written, gone since (deleted, or a copy cut short)
+        (out / name).unlink()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as code:
+        main(["account", str(out), "--json"])
+    printed = capsys.readouterr()
+    assert code.value.code == 0, printed.err
+    report = json.loads(printed.out)
+    assert report["missing"] == ["summary.json", "train.jsonl"]
+    statuses = {f["path"]: f["status"] for f in report["release"]["files"]}
+    assert statuses["plan.json"] == "covered"
+    with pytest.raises(SystemExit):
+        main(["account", str(out)])
+    printed = capsys.readouterr()
+    rows = {line.split()[0]: line.split()[1] for line in printed.out.splitlines()[2:] if line.strip()}
+    assert rows["train.jsonl"] == rows["summary.json"] == "MISSING" and rows["plan.json"] == "covered", printed.out
+    assert "2 file(s) that release.json lists are missing" in printed.err, printed.err
+    assert "unfinished `dptext synth` folder" in printed.err and "the same `dptext synth` command" in printed.err

@@ -97,6 +97,10 @@ def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, t
     assert read(tmp_path / "resumed") == read(tmp_path / "straight")
     records = [json.loads(line) for text in read(tmp_path / "straight").values() for line in text.splitlines()]
     assert sorted(r["index"] for r in records) == list(range(10))  # none lost, none twice
+    finished = {p: p.read_bytes() for p in (tmp_path / "straight").rglob("*") if p.is_file()}
+    with pytest.raises(UserError, match="other values of --n"):  # a finished folder is not "complete" for another n
+        synthesize(teacher, tmp_path / "straight", **{**settings, "n": 12})
+    assert {p: p.read_bytes() for p in (tmp_path / "straight").rglob("*") if p.is_file()} == finished
     assert all(r["code"] == f"Category: {r['category']} || Rating: {r['rating']}" for r in records)
     partial = synthesize(teacher, tmp_path / "other", **settings, max_chunks=1)
     assert partial["complete"] is False and partial["records_on_disk"] == 3
@@ -108,9 +112,12 @@ def test_interrupted_synthesis_resumes_to_the_straight_through_output(teacher, t
     shutil.copytree(teacher, tmp_path / "twin")
     with pytest.raises(UserError, match="other values of teacher run"):
         synthesize(tmp_path / "twin", tmp_path / "other", **settings)
+    with pytest.raises(UserError, match="other values of teacher run"):  # a finished folder: not "complete" either
+        synthesize(tmp_path / "twin", tmp_path / "straight", **settings)
     with pytest.raises(UserError, match="other values of code histogram"):
         synthesize(teacher, tmp_path / "other", **settings, code_mechanism="exact")
     assert {p: p.read_bytes() for p in (tmp_path / "other").rglob("*") if p.is_file()} == on_disk
+    assert {p: p.read_bytes() for p in (tmp_path / "straight").rglob("*") if p.is_file()} == finished
 
 
 def test_teacher_synth_distill_carry_the_privacy_claim(teacher, tmp_path, capsys):

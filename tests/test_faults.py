@@ -71,6 +71,20 @@ def test_a_resume_of_a_run_another_process_writes_is_refused(tmp_path, capsys, h
         runs.RunDir.open(run.path).lock()
 
 
+def test_synth_and_mia_refuse_a_folder_another_process_writes(tmp_path, capsys, holder):
+    """The other writers of run and synth folders: `dptext synth --out` and `dptext mia RUN_DIR` (which writes its
+    report into the run) are refused before they load a model, naming the holder."""
+    process = holder(tmp_path / "synthetic")
+    refused(["synth", str(tmp_path / "teacher"), "--out", str(tmp_path / "synthetic"), "--n", "4"], capsys,
+            "synthetic-data folder", f"pid {process.pid}")
+    assert list((tmp_path / "synthetic").iterdir()) == []
+    run = make_run(tmp_path)
+    run.save_result({"metrics": {}})  # as if finished (mia refuses an unfinished run first)
+    (run.path / "model").mkdir()
+    process = holder(run.path)
+    refused(["mia", str(run.path)], capsys, "being written by another dptext process", f"pid {process.pid}")
+
+
 def test_the_lock_dies_with_its_process_and_is_reentrant_within_one(tmp_path, holder):
     folder = tmp_path / "run"
     process = holder(folder)
@@ -83,6 +97,37 @@ def test_the_lock_dies_with_its_process_and_is_reentrant_within_one(tmp_path, ho
     assert locking.holds_lock(folder)
     locking.release_all()
     assert not locking.holds_lock(folder)
+
+
+@pytest.mark.slow  # two torchrun launches of 2 processes: about a minute on 2 cores
+def test_under_torchrun_rank_0_alone_locks_and_a_second_launch_writes_nothing(tmp_path, holder):
+    """Rank 0 alone takes the run folder's lock (dptext/finetune/run.py), and that suffices: the other ranks write
+    into the folder only FSDP2's checkpoint shards, and only inside collectives that rank 0 joins after it holds the
+    lock (a new run's folder name is broadcast by rank 0 once it holds it; a resumed run's ranks meet first in
+    init_process_group, which rank 0 reaches only after run.lock()). So a launch whose rank 0 is refused writes
+    nothing from any rank. Here: 2 gloo processes into a folder another process holds, as a running launch's rank 0
+    does, new and resumed: refused in one sentence naming the holder, nothing written, no rank left waiting."""
+    from two_ranks import run_process_group
+
+    def torchrun(*args: str) -> str:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "-m", "dptext", *args]
+        done = run_process_group(command, 300, cwd=tmp_path, env={**env(), "OMP_NUM_THREADS": "1"})
+        assert done.returncode != 0, done.stdout + done.stderr
+        return done.stdout + done.stderr
+
+    out = tmp_path / "run"
+    process = holder(out)
+    text = torchrun(*finetune(tmp_path)[:-2], "--out", str(out))
+    assert f"being written by another dptext process (pid {process.pid})" in text, text[-3000:]
+    assert list(out.iterdir()) == []
+    run = make_run(tmp_path)
+    run.log_metrics({"step": 1, "epsilon": 0.1})
+    before = {p.name: p.read_bytes() for p in run.path.iterdir() if p.is_file()}
+    process = holder(run.path)
+    text = torchrun("finetune", "--resume", str(run.path))
+    assert f"being written by another dptext process (pid {process.pid})" in text, text[-3000:]
+    assert {p.name: p.read_bytes() for p in run.path.iterdir() if p.is_file()} == before
 
 
 @pytest.mark.slow

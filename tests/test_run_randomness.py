@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from dptext import config, runs
+from dptext import atomic, config, runs
 from dptext.cli.app import main
 from dptext.errors import UserError
 from dptext.finetune import run_finetune
@@ -126,7 +126,8 @@ def interrupt_at(monkeypatch, k: int | None):
             raise Interrupted(str(path))
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(runs, "atomic_write", write)
+    monkeypatch.setattr(runs, "atomic_write", write)  # the checkpoint file
+    monkeypatch.setattr(atomic, "atomic_write", write)  # every other file (through atomic_write_text/json)
     return count
 
 

@@ -91,6 +91,19 @@ def default_delta(dataset_size: int) -> float:
     return 1.0 / (2 * check_dataset_size(dataset_size))
 
 
+LARGE_DELTA = 0.1  # from here (ε, δ)-DP lets a run publish a record outright 1 time in 10: refused unless allowed
+
+
+def check_large_delta(delta: float, delta_source: str, allowed: bool, how: str) -> None:
+    """Refuse δ ≥ 0.1 (every accountant may then answer ε ≈ 0) unless ``allowed``; ``how`` says how to allow it."""
+    if delta < LARGE_DELTA or allowed:
+        return
+    fix = ("set privacy.delta below 1/n (e.g. 1e-5) or train on more records" if delta_source.startswith("1/(2n)")
+           else "use a δ below 1/n, e.g. 1e-5")
+    raise UserError(f"δ = {delta:.3g} ({delta_source}) makes any ε meaningless: δ is the chance of an outright leak, "
+                    f"and at δ ≥ {LARGE_DELTA:g} every accountant may answer ε = 0; {fix}, or {how} to accept it.")
+
+
 def resolve_delta(delta: float | None, dataset_size: int | None, counted: str = "") -> tuple[float, str]:
     """The δ to use and where it came from, to be stated in every output (``counted``: what n counts, e.g. users)."""
     if delta is not None:

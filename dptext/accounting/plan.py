@@ -16,6 +16,7 @@ from typing import Any, Callable
 from dptext import data
 from dptext.accounting.calibrate import calibrate_noise_multiplier
 from dptext.accounting.events import (
+    check_large_delta,
     check_sample_rate,
     check_steps,
     resolve_delta,
@@ -47,6 +48,8 @@ def plan_for_recipe(recipe: Any, dataset_size: int, counted: str = "") -> Privac
     q = sample_rate_for(recipe.train.batch_size, dataset_size)
     steps = recipe.train.max_steps or steps_for_epochs(recipe.train.epochs, q)
     delta, source = resolve_delta(recipe.privacy.delta, dataset_size, counted)
+    if recipe.privacy.enabled:
+        check_large_delta(delta, source, recipe.privacy.allow_large_delta, "set privacy.allow_large_delta=true")
     return PrivacyPlan(dataset_size, q, steps, steps_per_epoch_for(q), delta, source)
 
 
@@ -143,11 +146,12 @@ def recipe_plan(recipe: Any, train_size: Callable[[Any], int] | None = None, tar
 
 
 SMALL_N_DELTA = 1 / 2000  # the default δ = 1/(2n) exceeds this below n = 1,000
-
-
 def delta_warning(delta: float, delta_source: str, dataset_size: int | None) -> str | None:
-    """A warning when the default δ = 1/(2n) is large: (ε, δ)-DP allows a mechanism that publishes a whole record
-    with probability δ, so at n = 1 (δ = 0.5) the guarantee says little."""
+    """A warning when δ is large: (ε, δ)-DP allows a mechanism that publishes a whole record with probability δ, so
+    at δ ≥ 1/n it may publish one of the n records outright (and at n = 1, δ = 0.5, the guarantee says little)."""
+    if dataset_size and delta >= 1 / dataset_size:
+        return (f"δ = {delta:.3g} is at least 1/n = 1/{dataset_size} ({delta_source}): (ε, δ)-DP at this δ allows "
+                "publishing one of the n records outright, whatever ε says; use a δ well below 1/n (e.g. 1e-5).")
     if delta_source.startswith("1/(2n)") and delta > SMALL_N_DELTA:
         return (f"δ = 1/(2n) = {delta:.2g} is large at n = {dataset_size} (a run may publish a record with "
                 f"probability up to δ); set privacy.delta (e.g. 1e-5) or train on more records.")

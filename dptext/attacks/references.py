@@ -40,6 +40,9 @@ def reference_recipe(recipe: Any, indices: list[int], number: int, sample_rate: 
     data["train"]["seed"] = recipe.train.seed + 1 + number
     data["eval"]["before_training"] = False
     data["data"]["max_eval_examples"] = 0  # a reference model is only scored, never evaluated
+    # trained on public records and never released: its δ = 1/(2n) of a small pool (n = 4: 0.125) imitates the
+    # target's noise, it claims nothing, so the refusal of δ ≥ 0.1 (for runs whose ε someone reads) is waived
+    data["privacy"]["allow_large_delta"] = True
     return from_dict(Recipe, data)
 
 

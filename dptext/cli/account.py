@@ -30,7 +30,10 @@ def account(
     sigma: Annotated[Optional[float], typer.Option(
         "--sigma", "--noise-multiplier", help="Noise multiplier σ: find ε.")] = None,
     delta: Annotated[Optional[float], typer.Option(
-        "--delta", help="δ (default 1/(2n) when --dataset-size is given).")] = None,
+        "--delta", help="δ (default 1/(2n) when --dataset-size is given); δ ≥ 0.1 is refused.")] = None,
+    allow_large_delta: Annotated[bool, typer.Option(
+        "--allow-large-delta", help="Accept δ ≥ 0.1 (given, or 1/(2n) at n ≤ 5): at such a δ any ε is "
+        "meaningless; for demonstrations only.")] = False,
     sample_rate: Annotated[Optional[float], typer.Option(
         "--sample-rate", "-q", help="Poisson sampling rate q.")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="Number of DP steps.")] = None,
@@ -52,13 +55,13 @@ def account(
 ) -> None:
     """Privacy accounting: ε from σ, σ from ε, σ per recipe, or a run's ε so far (RDP, PRV, PLD, GDP)."""
     from dptext.accounting.epsilon import check_methods
+    from dptext.accounting.events import check_large_delta
     from dptext.errors import UserError
 
     out = make_output(json_mode)
     methods = check_methods(method)
-    if delta is not None and 0.1 <= delta < 1:  # (0, 1) itself is checked with the plan
-        raise UserError(f"--delta {delta:g} makes any ε meaningless (δ is the chance of an outright leak: at δ ≥ 0.1 "
-                        "every accountant may answer ε = 0); use a δ below 1/n, e.g. 1e-5.")
+    if delta is not None and delta < 1:  # (0, 1) itself is checked with the plan
+        check_large_delta(delta, "--delta", allow_large_delta, "pass --allow-large-delta")
     if prv_eps_error is not None and not 0 < prv_eps_error < float("inf"):
         raise UserError(f"--prv-eps-error must be a positive width for PRV's ε bound (e.g. 0.05), got "
                         f"{prv_eps_error:g}.")
@@ -83,6 +86,7 @@ def account(
     from dptext.accounting.schedule import parse_schedule
 
     plan = plan_from_options(sample_rate, steps, dataset_size, batch_size, epochs, delta)
+    check_large_delta(plan.delta, plan.delta_source, allow_large_delta, "pass --allow-large-delta")  # 1/(2n), n ≤ 5
     noise = parse_schedule(schedule)
     if sigma is not None:
         check_noise_multiplier(sigma)
@@ -197,8 +201,11 @@ def _report_release(out, folder: Path, result: dict[str, Any]) -> None:
         out.warn(f"{folder} has no release.json (written by an older dptext): what ε covers is not listed.")
         return out.result(result)
     groups: dict[tuple, list] = {}  # a folder's files with one status are one row: checkpoints/, model/ ...
+    missing = [item["path"] for item in manifest["files"] if not (folder / item["path"]).is_file()]
     for item in manifest["files"]:
         top = item["path"].split("/", 1)[0] + ("/" if "/" in item["path"] else "")
+        if item["path"] in missing:  # listed when it was written, gone since: never "covered"
+            item = {**item, "status": "MISSING", "why": "listed in release.json but not on disk"}
         groups.setdefault((top, item["status"]), []).append(item)
     rows = [[top if len(items) == 1 and not top.endswith("/") else f"{top} ({len(items)} files)", status,
              items[0].get("why") or items[0]["what"]] for (top, status), items in groups.items()]
@@ -207,7 +214,13 @@ def _report_release(out, folder: Path, result: dict[str, Any]) -> None:
     if manifest.get("privacy_unit"):
         out.info(f"Privacy unit: {manifest['privacy_unit']['text']}")
     out.table(f"What ε covers in {folder}", ["file", "status", "what / why"], rows)
-    out.result({**result, "release": manifest})
+    if missing:
+        out.warn(f"{len(missing)} file(s) that release.json lists are missing from {folder} "
+                 f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); they are not in this release.")
+    if manifest.get("kind") == "synth" and not (folder / "provenance.json").is_file():
+        out.warn(f"{folder} is an unfinished `dptext synth` folder (no provenance.json): its synthetic data is not "
+                 "all written; run the same `dptext synth` command again to finish it.")
+    out.result({**result, "release": manifest, "missing": missing})
 
 
 def _plan_dict(plan) -> dict[str, Any]:

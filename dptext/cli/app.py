@@ -121,9 +121,10 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _say_error(_usage_sentence(exc, args))
         sys.exit(2 if isinstance(exc, click.exceptions.UsageError) else exc.exit_code)
-    except RunInterrupted as exc:  # a training loop stopped cleanly after a step (dptext.finetune.loop)
+    except RunInterrupted as exc:  # Ctrl-C, acted on by a training run (dptext.finetune.interrupts)
         command = next((a for a in args if not a.startswith("-")), "finetune")
-        _say_error(f"{exc}; continue with: dptext {command} --resume {shlex.quote(str(exc.run_dir))}")
+        hint = f"; continue with: dptext {command} --resume {shlex.quote(str(exc.run_dir))}" if exc.resumable else ""
+        _say_error(f"{exc}{hint}")  # the hint only where a checkpoint exists to continue from
         sys.exit(130)
     except (click.exceptions.Abort, KeyboardInterrupt):
         code = 130
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> None:
             "Re-run with --debug for the traceback and please report it."
         )
         sys.exit(1)
-    if code == 130:  # Typer turns Ctrl-C into a silent exit 130
-        _say_error("interrupted; an interrupted run can be continued with --resume RUN_DIR.")
+    if code == 130:  # Typer turns Ctrl-C into a silent exit 130 (a training run says more: RunInterrupted)
+        _say_error("interrupted.")
     sys.exit(code if isinstance(code, int) else 0)
 
 

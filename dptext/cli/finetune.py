@@ -37,6 +37,7 @@ def finetune(
 def render_result(output, result: dict) -> None:
     from dptext.accounting.carried import guaranteed_epsilon
     from dptext.accounting.ledger import epsilon_unit
+    from dptext.accounting.plan import delta_warning
 
     metric_table(output, result)
     privacy = result["privacy"]
@@ -70,6 +71,10 @@ def render_result(output, result: dict) -> None:
     rows += [["steps", privacy["steps"]], [f"expected batch ({counted})", privacy["expected_batch_size"]],
              ["time (s)", result["seconds"]]]
     output.table(f"{result['recipe']}: privacy and training", ["", "value"], rows)
+    warning = privacy["private"] and delta_warning(privacy["delta"], privacy.get("delta_source", "given"),
+                                                   privacy.get("dataset_size"))
+    if warning:  # said at the start too, but a reader of the summary must not miss it
+        output.warn(warning)
     headline = result["primary_metric"]
     if headline in result["metrics"]:
         before = result["metrics_before_training"].get(headline)

@@ -14,6 +14,10 @@ class PrivacyConfig:
         True, "Train with differential privacy; false gives the non-private baseline of the same recipe.")
     target_epsilon: Optional[float] = doc(8.0, "Target ε for the whole run; σ is calibrated to it.", gt=0)
     delta: Optional[float] = doc(None, "Target δ; empty means 1/(2n) for n training examples (Li et al.).", gt=0, lt=1)
+    allow_large_delta: bool = doc(
+        False, "Accept δ ≥ 0.1 (given, or the default 1/(2n) when n ≤ 5), refused otherwise: (ε, δ)-DP lets a run "
+        "publish a record outright with probability δ, so at such a δ no ε means much. For demonstrations only; a "
+        "δ ≥ 1/n is always warned about.")
     noise_multiplier: Optional[float] = doc(
         None, "Use this σ instead of calibrating from target_epsilon; at least 0.03 (below it ε is in the "
         "thousands or beyond, a run with no meaningful privacy; use privacy.enabled=false for a non-private run).",

@@ -54,11 +54,22 @@ def _read_delimited(path: Path, delimiter: str) -> list[dict[str, Any]]:
             raise UserError(f"{path}'s header names the column(s) {', '.join(map(repr, repeated))} more than once; "
                             "give every column its own name.")
         rows = []
-        for line_number, row in enumerate(reader, start=2):
-            if None in row:
-                raise UserError(f"{path} row {line_number} has more fields than the header's "
-                                f"{len(reader.fieldnames or [])} columns.")
-            rows.append(row)
+        try:
+            for line_number, row in enumerate(reader, start=2):
+                if None in row:
+                    raise UserError(f"{path} row {line_number} has more fields than the header's "
+                                    f"{len(reader.fieldnames or [])} columns.")
+                if None in row.values():  # e.g. a quote opened in the last row of a file cut short
+                    raise UserError(f"{path} row {line_number} has fewer fields than the header's "
+                                    f"{len(reader.fieldnames or [])} columns (a quote that never closes, or a file "
+                                    "cut short?); give every row a value for every column.")
+                if any("\x00" in value for value in row.values()):  # csv reads NUL as text; jsonl and recipes refuse it
+                    raise UserError(f"{path} row {line_number} holds a NUL byte (a binary or damaged file?); save it "
+                                    "as plain UTF-8 text.")
+                rows.append(row)
+        except csv.Error as exc:  # e.g. a field over csv's size limit: a quote that never closes in a large file
+            raise UserError(f"{path} is not readable as {'TSV' if delimiter == chr(9) else 'CSV'} near line "
+                            f"{reader.line_num} ({exc}); check its quoting.") from None
     return rows
 
 

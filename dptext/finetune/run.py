@@ -29,7 +29,10 @@ from dptext.finetune import sharding
 from dptext.finetune.baseline import baseline_summary
 from dptext.finetune.curve import maybe_write_curve
 from dptext.finetune.distributed import FollowerRun, current, release, silent_output
-from dptext.finetune.loop import check_same_account, restore, run_loop
+from dptext.finetune.checkpointing import check_same_account, restore
+from dptext.finetune.interrupts import (ctrl_c_deferred, stop_if_requested_before_training, 
+                                      stopped_at_once)
+from dptext.finetune.loop import run_loop
 from dptext.finetune.setup import build_training
 from dptext.finetune.user_level import (check_single_process, evaluation_users, training_counts, unit_summary,
                                        user_level, user_unit_text)
@@ -121,12 +124,31 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     """``build(recipe, run) -> Training`` replaces ``build_training`` (``dptext distill`` builds its student
     run this way); keys of its ``training.info`` override those of the result (e.g. ``privacy``)."""
     output = output or Output(quiet=True)
+    # Ctrl-C only raises a flag until training ends, looked at once the model has loaded and after every step
+    with ctrl_c_deferred(int(os.environ.get("WORLD_SIZE", "1")) <= 1) as stop:
+        try:
+            trained = _train(recipe, out, resume, output, build, stop)
+        except KeyboardInterrupt as error:  # a second Ctrl-C: say whether a checkpoint can continue the run
+            stopped = stopped_at_once(error, stop)
+            if stopped is error:
+                raise
+            raise stopped from None
+    # from here Ctrl-C stops at once: the last step is checkpointed and the final evaluation keeps a journal
+    return trained if isinstance(trained, dict) else _finish(*trained)
+
+
+def _train(recipe: Any, out: Any, resume: Any, output: Any, build: Any, stop: Any) -> Any:
+    """The run up to its last training step: a dict for a run that needs nothing more (finished before, or a
+    follower rank's), else what ``_finish`` takes."""
     if resume is not None:
         if out is not None and Path(out).resolve() != Path(resume).resolve():
             raise UserError(f"--resume continues the run in '{resume}' where it is; drop --out '{out}' (to train "
                             "into another folder, start a new run there).")
         run = RunDir.open(resume)
-        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 alone writes the run directory
+        # torchrun: rank 0 alone locks, which suffices: the other ranks write into the folder only FSDP2's
+        # checkpoint shards, inside collectives rank 0 joins after this (the ranks first meet in current()'s
+        # init_process_group; for a new run they wait for rank 0 to broadcast the folder it has locked)
+        if os.environ.get("RANK", "0") == "0":
             run.lock()
         finished = run.load_result()
         if finished is not None:
@@ -149,6 +171,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
             run = FollowerRun(dist.broadcast(None))
     if not dist.is_writer:
         run, output = FollowerRun(run.path), silent_output()
+    stop.run = run
     started = time.monotonic()
     try:
         training = build(recipe, run) if build is not None else build_training(recipe)
@@ -156,6 +179,7 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
         if resume is None and dist.is_writer:
             run.remove_unstarted(keep_folder=existed)
         raise
+    stop_if_requested_before_training(stop, run, resumed=resume is not None, keep_folder=existed)
     output.info(f"Run directory: {run.path}")  # only once it exists for good: a refused start removes it
     state = run.load_checkpoint(say=output.warn) if resume is not None else None
     if training.users is not None and dist.is_writer:  # release.json says what evaluation holds (a public rule)
@@ -177,13 +201,20 @@ def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str 
     if state is not None:
         run.truncate_metrics_after(start_step)
         output.info(f"Resuming at step {start_step} of {training.plan.steps}.")
-    _announce(training, output)
+    _announce(training, output, run if state is None and dist.is_writer else None)
 
     before = {}
     if recipe.eval.before_training and start_step == 0:
         before = evaluate(training.final_records)
         run.log_metrics({"step": 0, "split": recipe.eval.split, "before_training": True, **before})
-    last, steps_run = run_loop(training, run, output, start_step, evaluate)
+    _, steps_run = run_loop(training, run, output, start_step, evaluate)
+    return training, run, dist, evaluate, started, start_step, before, steps_run
+
+
+def _finish(training: Any, run: Any, dist: Any, evaluate: Any, started: float, start_step: int, before: dict,
+            steps_run: int) -> dict[str, Any]:
+    """After the last step: the best weights, the final evaluation, the model, result.json and release.json."""
+    recipe = training.recipe
     if training.selection is not None and recipe.train.keep_best:
         model_selection.restore_best(run, training.model, training.selection)
     journal = final_journal(training, run, steps_run)
@@ -226,7 +257,9 @@ def warn_split_copies(training: Any, run: RunDir, output: Any) -> None:
     run.log_diagnostics({"event": "split_copies", "step": 0, "split": split, "copies": copies})
 
 
-def _announce(training: Any, output: Any) -> None:
+def _announce(training: Any, output: Any, run: Any = None) -> None:
+    """The run's plan in one line, and a large δ's warning (when δ ≥ 1/n also kept, with n and δ, in ``run``'s
+    not-covered diagnostics: n is an exact count of the private data)."""
     plan, recipe = training.plan, training.recipe
     counted = "" if training.users is None else " users"
     line = (f"{recipe.model.name} on {recipe.data.dataset}: n={plan.dataset_size}{counted}, "
@@ -244,5 +277,8 @@ def _announce(training: Any, output: Any) -> None:
     warning = delta_warning(plan.delta, plan.delta_source, plan.dataset_size) if training.private else None
     if warning:
         output.warn(warning)
+        if run is not None and plan.delta * plan.dataset_size >= 1:  # δ ≥ 1/n: n and δ kept with the run
+            run.log_diagnostics({"event": "delta_warning", "step": 0, "n": plan.dataset_size, "delta": plan.delta,
+                                 "warning": warning})
     if training.private and (recipe.task.type == "dialog" or training.users is not None):
         output.info(f"Privacy unit: {privacy_unit(recipe)}.")

@@ -109,6 +109,14 @@ def load_splits(recipe: Any) -> tuple[list, list, list]:
         raise UserError("The training split is empty; check data.path and data.max_train_examples.")
     validation = load_records(recipe.data, "validation")
     final = validation if recipe.eval.split == "validation" else load_records(recipe.data, "test")
+    # a run would print ε beside no metric at all (a 1-record file: δ = 0.5 and "ε ≤ 8", nothing else);
+    # data.max_eval_examples = 0 asks for no evaluation on purpose (dptext mia's reference models)
+    if not final and recipe.data.max_eval_examples != 0:
+        split, fraction = recipe.eval.split, recipe.data.validation_fraction
+        raise UserError(f"The {split} split (eval.split) has no record, so the run could report no metric; give the "
+                        f"data more records (a source without its own {split} split holds out round(n × "
+                        f"data.validation_fraction) = round(n × {fraction:g}) of them for it) or raise "
+                        "data.validation_fraction.")
     check_records(recipe, {"train": train, "validation": validation, recipe.eval.split: final})
     return train, validation, final
 

@@ -6,7 +6,7 @@ Correlated noise (banded MF, BLT) keeps per-rank filter state; it is written wit
 
 Resume continues bit for bit: the weights, Adam's moments and step counts come back on every rank (torch restores an
 optimizer's state only for parameters that require grad, and book-keeping takes them all out of autograd, so they
-are marked for the read); the rest is ``dptext.finetune.loop.restore``'s, as without sharding.
+are marked for the read); the rest is ``dptext.finetune.checkpointing.restore``'s, as without sharding.
 """
 
 from __future__ import annotations
