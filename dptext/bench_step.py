@@ -5,14 +5,18 @@ compares them."""
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
 
 import torch
 
+from dptext.accounting.banded_mf import Participation
+from dptext.accounting.blt_strategy import optimize_blt
+from dptext.accounting.mf_strategy import optimize_banded
 from dptext.models import load_model
-from dptext.privacy import PrivacyEngine, per_example_loss
+from dptext.privacy import BandedMFEngine, BLTEngine, PrivacyEngine, per_example_loss
 
 OURS = ("per_sample", "ghost", "bookkeeping")
 CORRELATED = ("banded_mf", "blt")  # book-keeping clipping with correlated noise (docs/correlated_noise.md)
@@ -81,20 +85,11 @@ def _engine(mode: str, model, optimizer, batch_size: int):
     if mode in OURS:
         return PrivacyEngine(model, optimizer, expected_batch_size=batch_size, dataset_size=100 * batch_size,
                              clipping_mode=mode, **settings)
-    import math
-
-    from dptext.accounting.banded_mf import Participation
-    from dptext.privacy import BandedMFEngine, BLTEngine
-
     schema = Participation(math.ceil(STRATEGY_STEPS / STRATEGY_BINS), STRATEGY_BINS)
     settings.update(steps=STRATEGY_STEPS, bins=STRATEGY_BINS, dataset_size=batch_size * STRATEGY_BINS, seed=0)
     if mode == "banded_mf":
-        from dptext.accounting.mf_strategy import optimize_banded
-
         coefficients = list(optimize_banded(STRATEGY_STEPS, BANDS, schema).coefficients)
         return BandedMFEngine(model, optimizer, coefficients=coefficients, **settings)
-    from dptext.accounting.blt_strategy import optimize_blt
-
     return BLTEngine(model, optimizer, blt=optimize_blt(STRATEGY_STEPS, BUFFERS, schema).blt, **settings)
 
 
