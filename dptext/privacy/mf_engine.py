@@ -22,6 +22,7 @@ only (``noise/correlated.py``), and every rank trains its members of the same gl
 from __future__ import annotations
 
 import math
+from abc import ABCMeta, abstractmethod
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ POISSON_REFUSED = ("Banded MF noise is accounted here without amplification by s
                    "or mechanism dp_sgd for Poisson sampling.")
 
 
-class CorrelatedNoiseEngine(PrivacyEngine):
+class CorrelatedNoiseEngine(PrivacyEngine, metaclass=ABCMeta):
     """What every matrix-factorization engine shares: the cyclic (k, P) schema, the planned S steps, the strategy's
     sensitivity recomputed here (``_sensitivity``), the noise filter (``_noise``) and ε of one Gaussian mechanism.
 
@@ -72,14 +73,17 @@ class CorrelatedNoiseEngine(PrivacyEngine):
                          distributed=distributed, **options)
         self._wrap_noise()
 
+    @abstractmethod
     def _sensitivity(self) -> float:
-        raise NotImplementedError
+        """The strategy's sensitivity under the cyclic participation schema (``self.schema``)."""
 
+    @abstractmethod
     def _noise(self, source: NoiseSource) -> FilteredNoise:
-        raise NotImplementedError
+        """The mechanism's filtered noise drawing from ``source``."""
 
+    @abstractmethod
     def _strategy_fields(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The strategy's public description for ``mechanism()`` and the ledger."""
 
     def _wrap_noise(self) -> None:
         source = self.dp_optimizer.noise

@@ -27,6 +27,7 @@ That state is then saved by every rank into the sharded checkpoint (``sharding/s
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 
 import torch
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 from dptext.privacy.noise.optimizer import NoiseSource
 
 
-class FilteredNoise:
+class FilteredNoise(ABC):
     """A ``NoiseSource`` whose fresh draws z_t pass, per planned parameter, through a causal filter: w_t = (C⁻¹z)_t.
 
     Subclasses keep each parameter's filter state (``_filter``) and say how to save and restore it."""
@@ -89,15 +90,17 @@ class FilteredNoise:
     def sharded(self) -> bool:
         return hasattr(self.source, "block_seed")
 
+    @abstractmethod
     def _filter(self, index: int, z: Tensor) -> Tensor:
-        raise NotImplementedError
+        """This step's noise of parameter ``index`` from its fresh draws ``z`` (the mechanism's filter)."""
 
+    @abstractmethod
     def kept(self, index: int) -> list[Tensor]:
         """The filter state of parameter ``index``: the tensors a resume needs, in order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def keep(self, index: int, tensors: list[Tensor]) -> None:
-        raise NotImplementedError
+        """Restore the filter state of parameter ``index`` (``kept``'s tensors)."""
 
     def state_dict(self) -> dict:
         if self.sharded:  # the tensors are each rank's own rows: they go to the sharded checkpoint instead
