@@ -2,9 +2,9 @@
 after its last block that differs, with one hooked forward of the whole model (``dptext.privacy.proof.stack``).
 
 Blocks equal in class, settings, parameters and without per-instance code share their first instance's verdict;
-a block with a hook is kept; examples mixed by the parent's loop at a depth the cut leaves out, in the forward or
-only in the backward, are still refused (the whole model's first shape); a forward that does not run on the cut
-stack is proven whole.
+a block with a hook is kept; examples' gradients mixed by the parent's loop at a depth the cut leaves out, in the
+forward or only in the backward, are still refused (the whole model's first shape); a mix without gradient there is
+the documented residual (the re-draws run on the cut); a forward that does not run on the cut stack is proven whole.
 """
 
 from __future__ import annotations
@@ -65,12 +65,14 @@ class DeepStack(nn.Module):
     """Embedding → three equal blocks; ``mix_at`` mixes examples after that block in the parent's loop (in the
     forward with a batch mean, or only in the backward with ``MixBelow``); ``assert_depth`` fails on a cut stack."""
 
-    def __init__(self, mix_at=None, backward_only=False, assert_depth=False, vocab=13, width=6):
+    def __init__(self, mix_at=None, backward_only=False, assert_depth=False, vocab=13, width=6,
+                 without_gradient=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
         self.head = nn.Linear(width, vocab)
         self.mix_at, self.backward_only, self.assert_depth = mix_at, backward_only, assert_depth
+        self.without_gradient = without_gradient
 
     def get_input_embeddings(self):
         return self.embed
@@ -81,7 +83,9 @@ class DeepStack(nn.Module):
         h = self.embed(input_ids)
         for index, layer in enumerate(self.layers):
             h = torch.tanh(layer(h))
-            if index == self.mix_at:
+            if index == self.mix_at and self.without_gradient:
+                h = h + h.mean(dim=0, keepdim=True).detach()  # other examples move this one's value, not gradient
+            elif index == self.mix_at:
                 h = MixBelow.apply(h) if self.backward_only else h + h.mean(dim=0, keepdim=True)
         return self.head(h)
 
@@ -95,6 +99,22 @@ def test_examples_mixed_by_the_parent_below_the_cut_are_refused(backward_only):
         engine.verify()
     refused = {row.name for row in verify_module.probe(engine, cut_stacks=True).refused()}
     assert "embed" in refused  # the mix reaches the layers below it
+
+
+def test_a_mix_without_gradient_beyond_the_cut_is_the_documented_residual():
+    """The first shape's re-draws run on the cut stack: a batch statistic under detach in the parent's loop at a
+    depth the cut removes moves no gradient and is not seen (docs/privacy_engine.md, the residual); proving the
+    whole stack refuses it, and the same mix at a kept depth is refused with the cut."""
+    model = DeepStack(mix_at=1, without_gradient=True).double()
+    engine = engine_for(model)
+    assert [kept for *_, kept in cut_of(model, engine).stacks] == [1]
+    assert not verify_module.probe(engine, cut_stacks=True).refused() and not \
+        verify_module.probe(engine, cut_stacks=True).loss_problem
+    assert verify_module.probe(engine, cut_stacks=False).loss_problem
+    engine.detach()
+    kept = DeepStack(mix_at=0, without_gradient=True).double()
+    with pytest.raises(UserError, match="interact"):
+        engine_for(kept).verify()
 
 
 def test_a_forward_that_fails_on_the_cut_stack_is_proven_whole():

@@ -10,6 +10,7 @@ move). A check that stops early still lets interacting examples and a failing re
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -202,8 +203,10 @@ def compared_examples(batch: dict[str, Any], examples: int | None) -> set[int]:
     return {0, int(torch.argmin(lengths[1:]).item()) + 1} if examples > 1 else {0}
 
 
-def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> None:
+def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, redraws_on=None) -> None:
     """One synthetic batch; ``redraw(j)`` gives it with example j re-drawn (None: one example, nothing to check).
+    ``redraws_on``: a context (the cut stack, ``proof.stack``) in which the re-drawn examples and their baseline
+    run; None: the model the rest runs on.
 
     ``decided_by`` maps each tracked layer to the one whose numeric comparison decides for it
     (``proof.patterns.representatives``). The engine's pass runs before the
@@ -215,8 +218,9 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
     def stop(loss_checked: bool = True) -> None:
         """An early finding: interacting examples and a failing reference still speak first."""
         if redraw is not None and loss_checked and not report.loss_problem:
-            baseline = plain_loss(engine, batch, loss_fn, device)  # the redraws' losses are computed this way
-            check_loss_independence(engine, report, batch, redraw, loss_fn, device, baseline)
+            with (redraws_on or nullcontext)():
+                baseline = plain_loss(engine, batch, loss_fn, device)  # the redraws' losses are computed this way
+                check_loss_independence(engine, report, batch, redraw, loss_fn, device, baseline)
         reference_gradients(engine, batch, loss_fn, device, compared,  # raises ReferenceFailed if it fails
                             examples=compared_examples(batch, None))
 
@@ -263,5 +267,13 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
         return stop()
     compare(engine, report, reference, norms_sq, sums)
     share_verdicts(engine, report, decided_by)
-    if redraw is not None:
-        check_redrawn_examples(engine, report, redraw, loss_fn, device, loss.detach(), rows_before)
+    if redraw is None:
+        return
+    if redraws_on is None:
+        return check_redrawn_examples(engine, report, redraw, loss_fn, device, loss.detach(), rows_before)
+    with redraws_on():  # their baseline: the hooked forward of the unchanged batch there
+        forward = engine_forward(engine, report, batch, loss_fn, device)
+        if forward is not None:
+            loss, uses = forward
+            rows_before = [(use.module, _first_tensor(use.activation)) for use in uses]
+            check_redrawn_examples(engine, report, redraw, loss_fn, device, loss.detach(), rows_before)
