@@ -19,6 +19,7 @@ from dptext.models import load_model
 from dptext.privacy.blt_engine import BLTEngine
 from dptext.privacy.mf_engine import BandedMFEngine
 from mf_cases import check_lifecycle_refusals, noise_of_steps, release_of
+from test_privacy_banded_mf import noise_engine as banded_engine
 
 STRATEGY = BLT(1.2, (0.5, 0.2), (0.8, 0.3))
 
@@ -58,6 +59,34 @@ def test_noise_is_c_inverse_of_the_fresh_draws_exactly():
     plain, _ = blt_engine(blt=BLT(1.0, (0.0,), (0.0,)), steps=steps, coordinates=64, seed=3)  # C = I: z itself
     fresh = noise_of_steps(plain, steps)
     np.testing.assert_allclose(noise, np.linalg.solve(dense(STRATEGY, steps), fresh), rtol=1e-4, atol=1e-5)
+
+
+def _renamed(state, old: str, new: str):
+    """``state`` with every ``old`` key (at any depth) named ``new``: a checkpoint of an earlier dptext."""
+    if not isinstance(state, dict):
+        return state
+    return {(new if k == old else k): _renamed(v, old, new) for k, v in state.items()}
+
+
+def _keys(state) -> set:
+    return set(state) | {k for v in state.values() for k in _keys(v)} if isinstance(state, dict) else set()
+
+
+@pytest.mark.parametrize("mechanism, key", [("banded_mf", "history"), ("blt", "buffers")])
+def test_a_checkpoint_from_before_the_kept_key_resumes_bit_exactly(mechanism, key):
+    """Checkpoints before 90b40dd named the filter state "history" (banded MF) or "buffers" (BLT); they resume
+    bit-exactly, and one without any is refused."""
+    build = banded_engine if mechanism == "banded_mf" else blt_engine
+    first, _ = build(coordinates=50, seed=7)
+    noise_of_steps(first, 2)
+    state = _renamed(dict(first.state_dict()), "kept", key)
+    assert "kept" not in _keys(state) and key in _keys(state)
+    rest = noise_of_steps(first, 3)
+    second, _ = build(coordinates=50, seed=99)
+    second.load_state_dict(state)
+    np.testing.assert_array_equal(noise_of_steps(second, 3), rest)
+    with pytest.raises(ValueError, match="no correlated-noise state"):
+        second.load_state_dict(_renamed(state, key, "something_else"))
 
 
 def test_noise_resumes_bit_exactly_from_its_state():

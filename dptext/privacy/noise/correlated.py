@@ -114,7 +114,12 @@ class FilteredNoise(ABC):
         if self.sharded != bool(state.get("sharded")):
             raise ValueError("the checkpoint's correlated noise was kept under another sharding")
         if not self.sharded:  # a sharded state was put back from the sharded checkpoint, before this
-            for i, (param, saved) in enumerate(zip(self.params, state["kept"])):
+            # "history" (banded MF) and "buffers" (BLT): the same per-parameter lists, as checkpoints before 90b40dd
+            # named them
+            kept = next((state[key] for key in ("kept", "history", "buffers") if key in state), None)
+            if kept is None or len(kept) != len(self.params):
+                raise ValueError("the checkpoint holds no correlated-noise state for this run's parameters")
+            for i, (param, saved) in enumerate(zip(self.params, kept)):
                 self.keep(i, [t.to(param.device, copy=True) for t in saved])
         self.source.load_state_dict(state["generators"])
 
