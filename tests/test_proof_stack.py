@@ -2,9 +2,9 @@
 after its last block that differs, with one hooked forward of the whole model (``dptext.privacy.proof.stack``).
 
 Blocks equal in class, settings, parameters and without per-instance code share their first instance's verdict;
-a block with a hook is kept; examples' gradients mixed by the parent's loop at a depth the cut leaves out, in the
-forward or only in the backward, are still refused (the whole model's first shape); a mix without gradient there is
-the documented residual (the re-draws run on the cut); a forward that does not run on the cut stack is proven whole.
+a block with a hook is kept; examples mixed by the parent's loop at a depth the cut leaves out, in the forward (with
+or without gradient) or only in the backward, are still refused (the whole model's first shape); a forward that does
+not run on the cut stack is proven whole.
 """
 
 from __future__ import annotations
@@ -65,14 +65,12 @@ class DeepStack(nn.Module):
     """Embedding → three equal blocks; ``mix_at`` mixes examples after that block in the parent's loop (in the
     forward with a batch mean, or only in the backward with ``MixBelow``); ``assert_depth`` fails on a cut stack."""
 
-    def __init__(self, mix_at=None, backward_only=False, assert_depth=False, vocab=13, width=6,
-                 without_gradient=False):
+    def __init__(self, mix_at=None, backward_only=False, assert_depth=False, vocab=13, width=6):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
         self.head = nn.Linear(width, vocab)
         self.mix_at, self.backward_only, self.assert_depth = mix_at, backward_only, assert_depth
-        self.without_gradient = without_gradient
 
     def get_input_embeddings(self):
         return self.embed
@@ -83,9 +81,7 @@ class DeepStack(nn.Module):
         h = self.embed(input_ids)
         for index, layer in enumerate(self.layers):
             h = torch.tanh(layer(h))
-            if index == self.mix_at and self.without_gradient:
-                h = h + h.mean(dim=0, keepdim=True).detach()  # other examples move this one's value, not gradient
-            elif index == self.mix_at:
+            if index == self.mix_at:
                 h = MixBelow.apply(h) if self.backward_only else h + h.mean(dim=0, keepdim=True)
         return self.head(h)
 
@@ -101,20 +97,71 @@ def test_examples_mixed_by_the_parent_below_the_cut_are_refused(backward_only):
     assert "embed" in refused  # the mix reaches the layers below it
 
 
-def test_a_mix_without_gradient_beyond_the_cut_is_the_documented_residual():
-    """The first shape's re-draws run on the cut stack: a batch statistic under detach in the parent's loop at a
-    depth the cut removes moves no gradient and is not seen (docs/privacy_engine.md, the residual); proving the
-    whole stack refuses it, and the same mix at a kept depth is refused with the cut."""
-    model = DeepStack(mix_at=1, without_gradient=True).double()
+class Mixed(nn.Module):
+    """Embedding → three equal blocks, ``mix(h, attention_mask, index, blocks)`` in the parent's loop after each."""
+
+    def __init__(self, mix, vocab=13, width=6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.head = nn.Linear(width, vocab)
+        self.mix = mix
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed(input_ids)
+        for index, layer in enumerate(self.layers):
+            h = self.mix(torch.tanh(layer(h)), attention_mask, index, len(self.layers))
+        return self.head(h)
+
+
+def _mean_of_the_uncompared(h, mask, index, blocks):
+    """At depth 1, with gradient, among examples 2.. only: the probe's engine pass weights their losses by 0."""
+    return torch.cat([h[:2], h[2:] + h[2:].mean(0, keepdim=True)]) if index == 1 else h
+
+
+def _chain_of_full_rows(h, mask, index, blocks):
+    """At depth 1, with gradient: each full-length example adds the previous full-length one's row."""
+    if index != 1 or mask is None:
+        return h
+    full, rows = (mask.sum(1) == mask.shape[1]).nonzero().flatten().tolist(), list(h.unbind(0))
+    for a, b in zip(full, full[1:]):
+        rows[b] = rows[b] + h[a]
+    return torch.stack(rows)
+
+
+def _detached_mean_at_full_depth(h, mask, index, blocks):
+    """After the last block, only while all three exist, without gradient."""
+    return h + h.mean(0, keepdim=True).detach() if index == blocks - 1 == 2 else h
+
+
+def _detached_mean_for_odd_batches(h, mask, index, blocks):
+    """In the kept block, without gradient, only when the batch has an odd number of examples (B = 5, not 4)."""
+    return h + h.mean(0, keepdim=True).detach() if index == 0 and h.shape[0] % 2 else h
+
+
+@pytest.mark.parametrize("mix", [_mean_of_the_uncompared, _chain_of_full_rows, _detached_mean_at_full_depth,
+                                 _detached_mean_for_odd_batches])
+@pytest.mark.parametrize("cut_stacks", [True, False])
+def test_examples_mixed_where_only_the_first_shapes_whole_model_redraws_see_it_are_refused(mix, cut_stacks):
+    """The red team of session 23: mixes the engine's pass cannot see (no gradient, or only into the examples whose
+    losses it weights by 0) at a depth the cut removes are refused by the first shape's re-draws on the whole model;
+    one seen only at B ≠ T stays refused after the second shape (its loss check once cleared the first's finding)."""
+    model = Mixed(mix).double()
     engine = engine_for(model)
-    assert [kept for *_, kept in cut_of(model, engine).stacks] == [1]
-    assert not verify_module.probe(engine, cut_stacks=True).refused() and not \
-        verify_module.probe(engine, cut_stacks=True).loss_problem
-    assert verify_module.probe(engine, cut_stacks=False).loss_problem
-    engine.detach()
-    kept = DeepStack(mix_at=0, without_gradient=True).double()
+    assert cut_of(model, engine) is not None
+    report = verify_module.probe(engine, cut_stacks=cut_stacks)
+    assert report.loss_problem and "interact" in report.loss_problem
     with pytest.raises(UserError, match="interact"):
-        engine_for(kept).verify()
+        report.raise_if_refused()
+
+
+def test_the_same_stack_without_a_mix_is_proven():
+    model = Mixed(lambda h, mask, index, blocks: h).double()
+    report = engine_for(model).verify()
+    assert {row.status for row in report.rows.values()} == {"exact"}
 
 
 def test_a_forward_that_fails_on_the_cut_stack_is_proven_whole():

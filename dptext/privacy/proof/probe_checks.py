@@ -10,7 +10,6 @@ move). A check that stops early still lets interacting examples and a failing re
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -203,10 +202,8 @@ def compared_examples(batch: dict[str, Any], examples: int | None) -> set[int]:
     return {0, int(torch.argmin(lengths[1:]).item()) + 1} if examples > 1 else {0}
 
 
-def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, redraws_on=None) -> None:
+def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> None:
     """One synthetic batch; ``redraw(j)`` gives it with example j re-drawn (None: one example, nothing to check).
-    ``redraws_on``: a context (the cut stack, ``proof.stack``) in which the re-drawn examples and their baseline
-    run; None: the model the rest runs on.
 
     ``decided_by`` maps each tracked layer to the one whose numeric comparison decides for it
     (``proof.patterns.representatives``). The engine's pass runs before the
@@ -218,9 +215,8 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, redraw
     def stop(loss_checked: bool = True) -> None:
         """An early finding: interacting examples and a failing reference still speak first."""
         if redraw is not None and loss_checked and not report.loss_problem:
-            with (redraws_on or nullcontext)():
-                baseline = plain_loss(engine, batch, loss_fn, device)  # the redraws' losses are computed this way
-                check_loss_independence(engine, report, batch, redraw, loss_fn, device, baseline)
+            baseline = plain_loss(engine, batch, loss_fn, device)  # the redraws' losses are computed this way
+            check_loss_independence(engine, report, batch, redraw, loss_fn, device, baseline)
         reference_gradients(engine, batch, loss_fn, device, compared,  # raises ReferenceFailed if it fails
                             examples=compared_examples(batch, None))
 
@@ -236,8 +232,9 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, redraw
         report.state_problem = BUFFER_CHANGED.format(changed)
         engine.recorder.take_uses()
         return stop(loss_checked=False)
-    report.loss_problem = loss_shape_problem(batch, loss)
-    if report.loss_problem:
+    shape_problem = loss_shape_problem(batch, loss)
+    if shape_problem:  # never overwrite: an earlier shape's finding (examples that interact) must stand
+        report.loss_problem = report.loss_problem or shape_problem
         engine.recorder.take_uses()
         return stop(loss_checked=False)
     if report.refused() or report.loss_problem:
@@ -267,13 +264,5 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, redraw
         return stop()
     compare(engine, report, reference, norms_sq, sums)
     share_verdicts(engine, report, decided_by)
-    if redraw is None:
-        return
-    if redraws_on is None:
-        return check_redrawn_examples(engine, report, redraw, loss_fn, device, loss.detach(), rows_before)
-    with redraws_on():  # their baseline: the hooked forward of the unchanged batch there
-        forward = engine_forward(engine, report, batch, loss_fn, device)
-        if forward is not None:
-            loss, uses = forward
-            rows_before = [(use.module, _first_tensor(use.activation)) for use in uses]
-            check_redrawn_examples(engine, report, redraw, loss_fn, device, loss.detach(), rows_before)
+    if redraw is not None:
+        check_redrawn_examples(engine, report, redraw, loss_fn, device, loss.detach(), rows_before)

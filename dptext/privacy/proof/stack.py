@@ -1,13 +1,12 @@
-"""The probe's stack: the second probe shape and the first one's re-draws on the blocks that differ.
+"""The probe's stack: the second probe shape on the blocks that differ, the first on the whole model.
 
 A transformer repeats one block L times (``model.layers``, ``h``, ``block``). Blocks equal in everything that
 decides what their code does — every module's class, plain instance settings, parameters (names, shapes, dtypes,
 which are trained) and no per-instance code (a replaced ``forward``, a foreign hook) anywhere in the block — run
 the same code on tensors of the same shapes: the use-pattern argument of ``proof.patterns``, lifted from a layer to
-its whole block. The probe's first shape (B ≠ T) runs its engine pass and reference on the whole model, so a
-gradient mix at any depth, in a block or in the loop around them, reaches the compared layers below it as before;
-its re-drawn examples run on the cut stack (a mix without gradient seen only beyond the cut is the residual in
-docs/privacy_engine.md). Its second shape (B = T, the layouts that confuse examples with positions) runs the engine's pass, the brute-force reference and the hooked
+its whole block. The probe's first shape (B ≠ T) runs every check on the whole model, so a mix at any depth, in a
+block or in the loop around them, reaches the compared layers below it as before. Its second shape (B = T, the
+layouts that confuse examples with positions) runs the engine's pass, the brute-force reference and the hooked
 re-draws on the model with each stack cut after its last block that differs from every block before it: the
 blocks cut away share their pattern-mates' verdicts (``probe_checks.share_verdicts``), and the whole model gets one
 hooked forward at that shape for what is per layer or per model (in-place changes, parameters read outside their

@@ -219,9 +219,9 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
           cut_stacks: bool = True) -> ProbeReport:
     """Verify ``engine`` on synthetic batches; returns the per-layer report (see the module docstring).
 
-    ``dtype``: the probe's precision ("auto": ``probe_dtype``; None: the model's own). ``cut_stacks``: run the
-    first shape's re-drawn examples and the other shapes on each block stack cut after its last block that differs
-    (``proof.stack``); False runs everything on the whole model."""
+    ``dtype``: the probe's precision ("auto": ``probe_dtype``; None: the model's own). ``cut_stacks``: after the
+    first shape on the whole model, run the others on each block stack cut after its last block that differs
+    (``proof.stack``); False runs every shape on the whole model."""
     model = engine.model
     if any(is_sharded(param) for param in engine.params):  # FSDP2's DTensor shards
         raise UserError(SHARDED)
@@ -236,9 +236,9 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     was_training = model.training
     cut = plan_cut(model, engine.tracked, decided_by, engine_hooks(engine)) if cut_stacks else None
 
-    def probe_batches(batches, redraws_on=None) -> None:
+    def probe_batches(batches) -> None:
         for batch, redraw in batches:
-            probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, redraws_on)
+            probe_one(engine, report, batch, loss_fn, device, redraw, decided_by)
 
     def run_probes(precision) -> None:
         with probe_precision(model, precision):
@@ -248,9 +248,8 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
                 batches.append((batch, redraw if examples > 1 else None))
             if cut is None:
                 return probe_batches(batches)
+            probe_batches(batches[:1])  # B ≠ T on the whole model: every check, at every depth
             try:
-                # B ≠ T: the checks on the whole model, at every depth, its re-drawn examples on the cut stack
-                probe_batches(batches[:1], redraws_on=lambda: applied(cut))
                 with applied(cut):  # B = T on the blocks that differ (``proof.stack``)
                     probe_batches(batches[1:])
             except (UserError, ReferenceFailed):
