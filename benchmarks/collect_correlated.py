@@ -79,7 +79,8 @@ def collect(runs: Path, results: Path = RESULTS) -> dict[str, dict[str, dict]]:
 
 def table(data: dict[str, dict[str, dict]]) -> str:
     """The markdown table: one line per recipe and mechanism, "running" where no run has finished."""
-    lines = ["| recipe | mechanism | metric | ε (δ) | σ | steps × batch | train hours |", "|---|---|---|---|---|---|---|"]
+    lines = ["| recipe | mechanism | metric | ε (δ) | σ | steps × batch | train hours |",
+             "|---|---|---|---|---|---|---|"]
     for recipe, metrics in RECIPES.items():
         for mechanism in MECHANISMS:
             entry = data.get(recipe, {}).get(mechanism)

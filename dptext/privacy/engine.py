@@ -54,7 +54,7 @@ from dptext.privacy.proof.step_checks import (check_loss, check_no_foreign_backw
 from dptext.privacy.settings import check_settings, describe_mechanism, fixed_setting
 from dptext.privacy.clipping.units import LogicalBatchUnits, unit_index
 from dptext.privacy.sampling.user_sampler import UserPoissonSampler, make_user_sampler
-from dptext.privacy.proof.verify import ProbeReport, adopt_proof, probe as verify_probe
+from dptext.privacy.proof.verify import ProbeReport, adopt_proof, probe as verify_probe, training_modes
 
 
 class PrivacyEngine:
@@ -99,10 +99,10 @@ class PrivacyEngine:
         self.distributed = distributed if distributed is not None and distributed.active else None
 
         self.optimizer = optimizer
-        self.verified = False  # set by verify(): the synthetic probe matched brute force on this plan
+        self.verified, self.proven_modes = False, None  # set by verify(): the probe matched brute force on this
+        # plan, in these train/eval flags (None: adopted from a proof made before fully_shard)
         self.probe_compared: set | None = None  # while the probe runs: the parameters whose sums it compares
-        self.verify_first = bool(verify)  # False: the user opted out of the proof; mechanism() says so
-        self._verifying = False
+        self.verify_first, self._verifying = bool(verify), False  # False: the user opted out; mechanism() says so
         self._probe_args: tuple = (probe_batch, probe_loss)
         self._learned_layouts: dict = {}  # FunctionalRule per layer: what the probe learned survives replan()
         if self.distributed is not None and self.distributed.sharded and clipping_mode == "ghost":
@@ -131,9 +131,9 @@ class PrivacyEngine:
         """The model's first training forward (with gradients, while the engine records) runs the start-up probe
         first, on synthetic inputs, unless the engine was verified or built with ``verify=False``: the proof is
         the default in the library as in ``dptext finetune``, and happens before any private example is read."""
-        if self.verified or not self.verify_first or self._verifying or self.recorder.probing \
-                or not self.recorder.active():  # the probe's own forwards (also when called directly)
-            return
+        if self.verified and self.proven_modes in (None, training_modes(self.model)) or not self.verify_first \
+                or self._verifying or self.recorder.probing or not self.recorder.active():  # the probe's own
+            return  # forwards (also when called directly); a proof in other train/eval modes is made again
         self.verify(*self._probe_args)
 
     def _plan(self) -> None:
@@ -179,7 +179,7 @@ class PrivacyEngine:
             self._verifying = False
         self._probe_args = (make_batch, loss_fn)
         report.raise_if_refused()
-        self.verified = True
+        self.verified, self.proven_modes = True, report.modes
         self.recorder.verified = set(self.tracked)
         return report
 

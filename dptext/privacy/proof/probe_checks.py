@@ -160,21 +160,42 @@ def share_verdicts(engine, report, decided_by: dict[nn.Module, nn.Module]) -> No
                                   f"representative '{decider.name}' received no gradient)")
 
 
-def buffer_snapshot(model: nn.Module) -> dict[str, Tensor]:
-    return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+def buffer_snapshot(model: nn.Module) -> dict[str, Any]:
+    """Every buffer by value, and every parameter by a fingerprint: running statistics kept in a frozen
+    ``nn.Parameter`` are in the state dict too. The fingerprint (``_fingerprint``) reads no copy of the model."""
+    state: dict[str, Any] = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    state.update({PARAMETER + name: _fingerprint(param) for name, param in model.named_parameters()})
+    return state
 
 
-def changed_buffer(model: nn.Module, before: dict[str, Tensor]) -> str | None:
-    """The first buffer a training forward changed since ``before`` (running statistics), else None."""
+PARAMETER = "\0parameter:"  # a key no buffer name can take
+SAMPLED = 4096  # entries of each parameter summed for its fingerprint
+
+
+def _fingerprint(param: Tensor) -> tuple:
+    """What changes when a forward writes the parameter: its version counter (any in-place op on it or a
+    ``detach()`` view), where its data lives (``param.data = …``) and a fp64 sum of ``SAMPLED`` evenly spaced
+    entries (a write through ``param.data``, whose counter is separate; an update of every entry moves it)."""
+    flat = param.detach().reshape(-1)
+    sample = flat[::max(1, flat.numel() // SAMPLED)]
+    total = float(sample.double().sum()) if param.is_floating_point() else int(sample.sum())
+    return param._version, param.data_ptr(), total
+
+
+def changed_buffer(model: nn.Module, before: dict[str, Any]) -> str | None:
+    """The first buffer or parameter a training forward changed since ``before`` (running statistics), named as
+    "buffer 'x'" or "parameter 'x'", else None."""
     for name, value in model.named_buffers():
         if name not in before or value.shape != before[name].shape or not torch.equal(value, before[name]):
-            return name
+            return f"buffer '{name}'"
+    for name, param in model.named_parameters():
+        if PARAMETER + name in before and _fingerprint(param) != before[PARAMETER + name]:
+            return f"parameter '{name}'"
     return None
 
 
-BUFFER_CHANGED = ("buffer '{}': a training forward changes it (running statistics), so it is computed from the "
-                  "private batches and released with the model without noise; put that layer in eval mode or "
-                  "remove it")
+BUFFER_CHANGED = ("{}: a training forward changes it (running statistics), so it is computed from the private "
+                  "batches and released with the model without noise; put that layer in eval mode or remove it")
 
 
 def loss_shape_problem(batch: dict[str, Any], loss: Tensor) -> str | None:

@@ -21,7 +21,6 @@ Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first in
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,10 +29,12 @@ from torch import Tensor, nn
 
 from dptext.allocator import release_freed_memory
 from dptext.errors import UserError
+from dptext.privacy.proof.adopt import adopt_proof, proof_plan  # noqa: F401 - adopt_proof: the engine imports it here
 from dptext.privacy.proof.independence import with_row
 from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
+from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision, training_modes  # noqa: F401
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.sharding.sharded import is_sharded
 
@@ -44,9 +45,6 @@ REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd 
 SHARDED = ("The start-up probe needs each layer's whole weight and runs before fully_shard: prove the whole model "
            "first (report = PrivacyEngine(model, ...).verify(), then engine.detach(), as `dptext finetune` does "
            "with train.sharding=fsdp), then build the engine on the sharded model with verify=report.")
-NOT_THIS_PLAN = ("The proof given as verify= was made on other layers or rules than this engine's plan ({}); prove "
-                 "this model before fully_shard with the same clipping_mode and trainable layers, and pass that "
-                 "report.")
 FP64_PARAMETERS = 50_000_000  # up to this size the probe runs on an fp64 copy of the model (its peak: ~2 extra
 # fp64 model sizes, negligible here); above it, in the model's own precision with fp32 sums, so that the proof
 # costs about one training step's memory at any scale (docs/privacy_engine.md, "What the proof covers")
@@ -72,6 +70,8 @@ class ProbeReport:
     shapes: tuple = PROBE_SHAPES
     compared: int = 0  # layers compared with brute force themselves; the others share their pattern's verdict
     notes: list[str] = field(default_factory=list)
+    modes: tuple = ()  # each module's train/eval flag the probe ran in (dropout, batch statistics on or off)
+    plan: tuple = ()  # the engine settings the proof is about (``proof_plan``)
 
     def refuse(self, module: nn.Module, why: str) -> None:
         row = self.rows[module]
@@ -93,6 +93,10 @@ class ProbeReport:
             raise UserError(f"The start-up probe refused layer '{row.name}' ({row.kind}): {row.why}; freeze it, "
                             "train it through LoRA, or try another clipping_mode (`dptext check --model` lists "
                             "every layer).")
+        if not any(row.status == "exact" for row in self.rows.values()):
+            raise UserError("The start-up probe compared no layer with brute force (no trained layer received a "
+                            "gradient on its synthetic batch), so it proves nothing; give a probe loss that reaches "
+                            "the trained layers.")
 
 
 def synthetic_token_batch(model: nn.Module) -> Callable[[int, int, torch.Generator], dict[str, Tensor]]:
@@ -148,33 +152,6 @@ def output_functional_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor
     return terms.sum(dim=1)
 
 
-@contextmanager
-def probe_precision(model: nn.Module, dtype: torch.dtype | None):
-    """Floating parameters and buffers in ``dtype`` for the probe, restored after (identities kept)."""
-    if dtype is None:
-        yield
-        return
-    saved = []
-    for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for key, tensor in store.items():
-                if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                    saved.append((store, key, tensor.dtype))
-                    if isinstance(tensor, nn.Parameter):
-                        tensor.data = tensor.data.to(dtype)
-                    else:
-                        store[key] = tensor.to(dtype)
-    try:
-        yield
-    finally:
-        for store, key, original in saved:
-            tensor = store[key]
-            if isinstance(tensor, nn.Parameter):
-                tensor.data = tensor.data.to(original)
-            else:
-                store[key] = tensor.to(original)
-
-
 def probe_dtype(model: nn.Module, device: torch.device) -> torch.dtype | None:
     """fp64 for a model of up to ``FP64_PARAMETERS`` parameters, else None (its own precision); fp32 for a
     half-precision model (bf16 rounding would hide a wrong path)."""
@@ -184,21 +161,6 @@ def probe_dtype(model: nn.Module, device: torch.device) -> torch.dtype | None:
     if sum(p.numel() for p in floating) <= FP64_PARAMETERS:
         return torch.float64
     return torch.float32 if any(p.dtype in (torch.float16, torch.bfloat16) for p in floating) else None
-
-
-def adopt_proof(engine: Any, report: ProbeReport) -> None:
-    """Take ``report``, a proof made by an engine on the same modules before ``fully_shard`` (which keeps each
-    module object and changes where its weights live, not what the hooks record), as this engine's: refused unless
-    it covers exactly this engine's tracked layers with the same rules and refused none of them."""
-    report.raise_if_refused()
-    mine = {module: type(rule).__name__.removesuffix("Rule") for module, (rule, _) in engine.tracked.items()}
-    theirs = {module: row.rule for module, row in report.rows.items()}
-    if mine != theirs:
-        differ = [engine.names[m] for m in mine if theirs.get(m) != mine[m]] + \
-                 [row.name for m, row in report.rows.items() if m not in mine]
-        raise UserError(NOT_THIS_PLAN.format("e.g. '" + "', '".join(differ[:3]) + "'"))
-    engine.verified = True
-    engine.recorder.verified = set(engine.tracked)
 
 
 def engine_hooks(engine: Any) -> set[int]:
@@ -228,12 +190,14 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     make_batch = make_batch or synthetic_token_batch(model)
     loss_fn = loss_fn or output_functional_loss
     report = ProbeReport({m: LayerRow(engine.names[m], type(m).__name__, type(rule).__name__.removesuffix("Rule"))
-                          for m, (rule, _) in engine.tracked.items()}, shapes=tuple(shapes))
+                          for m, (rule, _) in engine.tracked.items()}, shapes=tuple(shapes),
+                         modes=training_modes(model), plan=proof_plan(engine))
     start = time.perf_counter()
     device = engine.params[0].device
     decided_by = representatives(model, engine.tracked, engine.names, engine_hooks(engine))
     report.compared = sum(1 for module, rep in decided_by.items() if rep is module)
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]  # restored one by one: a BatchNorm the
+    # user put in eval mode inside a training model stays so
     cut = plan_cut(model, engine.tracked, decided_by, engine_hooks(engine)) if cut_stacks else None
 
     def probe_batches(batches) -> None:
@@ -241,7 +205,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
             probe_one(engine, report, batch, loss_fn, device, redraw, decided_by)
 
     def run_probes(precision) -> None:
-        with probe_precision(model, precision):
+        with probe_precision(model, precision), drawn_zero_parameters(engine.params):
             batches = []
             for number, (examples, positions) in enumerate(shapes):
                 batch, redraw = synthetic_batches(make_batch, examples, positions, number, device)
@@ -284,7 +248,8 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
                         "in the forward); pass make_batch and loss_fn that fit the model to engine.verify(), or use "
                         "a task that builds its own probe batch.") from error
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
         engine.recorder.probing = False
         engine.zero_grad()
         release_freed_memory()  # the float64 copy of the model: several GB that training will not reuse

@@ -1,0 +1,61 @@
+"""The model as the start-up probe holds it while it runs, and gives it back after: its precision, its all-zero
+trained tensors re-drawn, and the train/eval flags the proof is about (``dptext.privacy.proof.verify``)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+@contextmanager
+def probe_precision(model: nn.Module, dtype: torch.dtype | None):
+    """Floating parameters and buffers in ``dtype`` for the probe, restored after (identities kept)."""
+    if dtype is None:
+        yield
+        return
+    saved = []
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for key, tensor in store.items():
+                if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    saved.append((store, key, tensor.dtype))
+                    if isinstance(tensor, nn.Parameter):
+                        tensor.data = tensor.data.to(dtype)
+                    else:
+                        store[key] = tensor.to(dtype)
+    try:
+        yield
+    finally:
+        for store, key, original in saved:
+            tensor = store[key]
+            if isinstance(tensor, nn.Parameter):
+                tensor.data = tensor.data.to(original)
+            else:
+                store[key] = tensor.to(original)
+
+
+@contextmanager
+def drawn_zero_parameters(params: list[nn.Parameter]):
+    """Trained tensors that are all zero (LoRA's B, ReZero and adapter gates) re-drawn at random for the probe and
+    restored after (identities kept): below such a gate every layer's gradient is exactly 0 on the probe's batch, so
+    its rule would never be compared ("not reached"), while training moves the gate at its first step."""
+    saved = []
+    generator = torch.Generator().manual_seed(20240602)
+    for param in params:
+        if param.is_floating_point() and param.numel() and not bool(param.detach().any()):
+            fan_in = param.shape[-1] if param.ndim > 1 else 1
+            drawn = torch.randn(param.shape, generator=generator, dtype=torch.float64) / fan_in ** 0.5
+            saved.append((param, param.data))
+            param.data = drawn.to(device=param.device, dtype=param.dtype)
+    try:
+        yield
+    finally:
+        for param, data in saved:
+            param.data = data
+
+
+def training_modes(model: nn.Module) -> tuple[bool, ...]:
+    """Each module's train/eval flag, in ``modules()`` order."""
+    return tuple(module.training for module in model.modules())
