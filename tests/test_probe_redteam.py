@@ -163,3 +163,30 @@ def test_a_proof_is_adopted_only_by_an_engine_with_its_clipping_settings(mode, l
                          max_grad_norm=0.05, expected_batch_size=4, dataset_size=100, clipping_mode="per_sample",
                          verify=report)
     assert same.verified
+
+
+def test_rows_are_compared_layer_by_layer_when_a_redraw_changes_which_layers_run():
+    """The re-draw check pairs each layer's k-th recorded input before and after: an extra call at the start (a
+    layer run only for some tokens) once shifted the pairs by one, and every row check after it was skipped."""
+    from types import SimpleNamespace
+
+    from dptext.privacy.proof.independence import ROWS_INTERACT, check_redrawn_examples
+
+    gate, mixed = nn.Linear(2, 2), nn.Linear(2, 2)
+    rows = torch.arange(8.0).reshape(4, 2)
+    moved = rows.clone()
+    moved[1] += 1  # re-drawing example 0 moves example 1's row of ``mixed``'s input: rows are not examples
+    recorder = SimpleNamespace(uses=[], probing=False)
+    recorder.take_uses = lambda: recorder.uses.clear()
+    engine = SimpleNamespace(recorder=recorder, model=None)
+    report = SimpleNamespace(refused_layers=[], loss_problem=None)
+    report.refuse = lambda module, why: report.refused_layers.append((module, why))
+
+    def loss_fn(model, batch):  # the redraw runs ``gate`` first, then ``mixed``
+        recorder.uses[:] = [SimpleNamespace(module=gate, activation=(rows[:, :1].expand(4, 2),)),
+                            SimpleNamespace(module=mixed, activation=(moved,))]
+        return torch.zeros(4)
+
+    check_redrawn_examples(engine, report, lambda example: {}, loss_fn, torch.device("cpu"), torch.zeros(4),
+                           [(mixed, rows)])
+    assert (mixed, ROWS_INTERACT) in report.refused_layers

@@ -79,12 +79,23 @@ def check_redrawn_examples(engine, report, redraw, loss_fn, device, loss, rows_b
         if other.shape != loss.shape or not same_values(other[keep], loss[keep]):
             report.loss_problem = LOSSES_INTERACT
             return
-        for (module, a), second in zip(rows_before, changed_uses):
-            b = _first_tensor(second.activation)
-            if module is not second.module or a is None or b is None or a.shape != b.shape or len(a) != len(loss):
+        after = _by_occurrence((use.module, _first_tensor(use.activation)) for use in changed_uses)
+        for key, a in _by_occurrence(rows_before).items():  # each layer's k-th call before and after the redraw
+            b = after.get(key)  # (not by position: a redraw that changes which layers run must not shift them)
+            if a is None or b is None or a.shape != b.shape or len(a) != len(loss):
                 continue
             if not same_values(a[keep], b[keep]):
-                report.refuse(module, ROWS_INTERACT)
+                report.refuse(key[0], ROWS_INTERACT)
+
+
+def _by_occurrence(rows) -> dict[tuple, Tensor | None]:
+    """{(module, k): its k-th recorded input} from (module, input) pairs in call order."""
+    seen: dict[Any, int] = {}
+    out = {}
+    for module, value in rows:
+        seen[module] = seen.get(module, -1) + 1
+        out[(module, seen[module])] = value
+    return out
 
 
 def _first_tensor(activation: Any) -> Tensor | None:
