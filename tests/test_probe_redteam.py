@@ -190,3 +190,45 @@ def test_rows_are_compared_layer_by_layer_when_a_redraw_changes_which_layers_run
     check_redrawn_examples(engine, report, lambda example: {}, loss_fn, torch.device("cpu"), torch.zeros(4),
                            [(mixed, rows)])
     assert (mixed, ROWS_INTERACT) in report.refused_layers
+
+
+def test_a_proof_adopted_with_verify_carries_its_train_eval_flags():
+    """The third red team: ``verify=report`` left the flags unknown, so a proof of the eval forward, adopted, then
+    ``model.train()``, trained a BatchNorm on batch statistics while the engine said clipping verified."""
+    model = WithBatchNorm().double().eval()
+    first = engine_for(model)
+    report = first.verify()
+    first.detach()
+    engine = PrivacyEngine(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                           noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=4, dataset_size=100,
+                           verify=report)
+    assert engine.proven_modes == report.modes
+    model.train()
+    with pytest.raises(UserError, match="running_mean|interact"):
+        engine.step(verify_module.output_functional_loss(model, {"input_ids": torch.randint(1, 13, (4, 7))}))
+
+
+class EvalsItsBatchNorm(WithBatchNorm):
+    def forward(self, input_ids, attention_mask=None):
+        self.bn.eval()  # the flags change during the first forward, after the proof
+        return super().forward(input_ids, attention_mask)
+
+
+def test_flags_that_change_inside_a_logical_batch_are_refused_with_a_sentence():
+    """A proof between two micro-batches would add its synthetic sums to the batch's (and drop the first's)."""
+    model = EvalsItsBatchNorm().double().train()
+    engine = engine_for(model)
+    engine.accumulate(verify_module.output_functional_loss(model, {"input_ids": torch.randint(1, 13, (4, 7))}))
+    with pytest.raises(UserError, match="inside a logical batch"):
+        engine.accumulate(verify_module.output_functional_loss(model, {"input_ids": torch.randint(1, 13, (4, 7))}))
+
+
+def test_evaluation_gives_each_module_its_own_flag_back():
+    """Evaluation restored the root's flag to every module, putting a BatchNorm kept in eval mode back in training."""
+    from dptext.models.modes import evaluating
+
+    model = WithBatchNorm().train()
+    model.bn.eval()
+    with evaluating(model):
+        assert not model.training and not model.head.training
+    assert model.training and model.head.training and not model.bn.training

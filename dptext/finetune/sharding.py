@@ -20,6 +20,7 @@ from dptext.errors import UserError
 from dptext.finetune.task_probe import verify_with_task
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.clipping.clipped_step import ghost_join, join_reduction
+from dptext.privacy.proof.probe_model import training_modes
 from dptext.privacy.sharding.fsdp_controls import check_ghost_supported
 
 
@@ -121,7 +122,7 @@ def on_first_rank(prove) -> None:
 
 def mark_verified(engine: Any) -> None:
     """The engine on the sharded model takes the probe's verdict on the same modules (``prove_then_shard``)."""
-    engine.verified = True
+    engine.verified, engine.proven_modes = True, training_modes(engine.model)  # the flags it was proven in
     engine.recorder.verified = set(engine.tracked)
 
 

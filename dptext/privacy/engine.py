@@ -54,7 +54,8 @@ from dptext.privacy.proof.step_checks import (check_loss, check_no_foreign_backw
 from dptext.privacy.settings import check_settings, describe_mechanism, fixed_setting
 from dptext.privacy.clipping.units import LogicalBatchUnits, unit_index
 from dptext.privacy.sampling.user_sampler import UserPoissonSampler, make_user_sampler
-from dptext.privacy.proof.verify import ProbeReport, adopt_proof, probe as verify_probe, training_modes
+from dptext.privacy.proof.probe_model import needs_proof
+from dptext.privacy.proof.verify import ProbeReport, adopt_proof, probe as verify_probe
 
 
 class PrivacyEngine:
@@ -99,8 +100,7 @@ class PrivacyEngine:
         self.distributed = distributed if distributed is not None and distributed.active else None
 
         self.optimizer = optimizer
-        self.verified, self.proven_modes = False, None  # set by verify(): the probe matched brute force on this
-        # plan, in these train/eval flags (None: adopted from a proof made before fully_shard)
+        self.verified, self.proven_modes = False, None  # by verify(): proven on this plan, in these train/eval flags
         self.probe_compared: set | None = None  # while the probe runs: the parameters whose sums it compares
         self.verify_first, self._verifying = bool(verify), False  # False: the user opted out; mechanism() says so
         self._probe_args: tuple = (probe_batch, probe_loss)
@@ -131,9 +131,9 @@ class PrivacyEngine:
         """The model's first training forward (with gradients, while the engine records) runs the start-up probe
         first, on synthetic inputs, unless the engine was verified or built with ``verify=False``: the proof is
         the default in the library as in ``dptext finetune``, and happens before any private example is read."""
-        if self.verified and self.proven_modes in (None, training_modes(self.model)) or not self.verify_first \
-                or self._verifying or self.recorder.probing or not self.recorder.active():  # the probe's own
-            return  # forwards (also when called directly); a proof in other train/eval modes is made again
+        if not self.verify_first or self._verifying or self.recorder.probing or not self.recorder.active() \
+                or not needs_proof(self):  # the probe's own forwards (also when called directly); proven, in
+            return  # these train/eval flags
         self.verify(*self._probe_args)
 
     def _plan(self) -> None:

@@ -18,6 +18,7 @@ from dptext import metrics
 from dptext.data import label_names
 from dptext.errors import UserError
 from dptext.models import load_model
+from dptext.models.modes import evaluating
 from dptext.privacy.losses import per_example_loss
 from dptext.tasks.base import Task, batches
 from dptext.tasks.encoding import IGNORE_INDEX, Example
@@ -104,14 +105,11 @@ class ClassificationTask(Task):
                  on_progress: Callable[[int], None] | None = None, journal: Any = None) -> dict[str, float]:
         device = next(model.parameters()).device
         predictions, labels = [], []
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
+        with evaluating(model), torch.no_grad():
             for chunk in batches(self.encode(records), batch_size):
                 batch = {k: v.to(device) for k, v in self.collate(chunk).items()}
                 predictions += self.logits(model, batch).argmax(-1).tolist()
                 labels += batch["labels"].tolist()
                 if on_progress:
                     on_progress(len(chunk))
-        model.train(was_training)
         return {"accuracy": metrics.accuracy(predictions, labels)}

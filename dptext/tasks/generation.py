@@ -10,6 +10,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+
+from dptext.models.modes import evaluating
 from dptext.tasks.eval_journal import EvaluationJournal, journaled_batches
 
 
@@ -27,8 +29,6 @@ def generate_completions(
     ``journal``, batches it already holds are not generated again."""
     device = next(model.parameters()).device
     outputs: list[str] = []
-    was_training = model.training
-    model.eval()
     # Decoder-only models continue from the last position, so prompts are left-padded.
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -45,11 +45,11 @@ def generate_completions(
         return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
     try:
-        for chunk, completions in journaled_batches(prompts, batch_size, generate, journal, "generate"):
-            outputs.extend(completions)
-            if on_batch:
-                on_batch(len(chunk))
+        with evaluating(model):
+            for chunk, completions in journaled_batches(prompts, batch_size, generate, journal, "generate"):
+                outputs.extend(completions)
+                if on_batch:
+                    on_batch(len(chunk))
     finally:
         tokenizer.padding_side = side
-        model.train(was_training)
     return outputs

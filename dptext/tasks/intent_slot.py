@@ -30,6 +30,7 @@ from torch import nn
 from dptext import metrics
 from dptext.errors import UserError
 from dptext.models import load_model
+from dptext.models.modes import evaluating
 from dptext.privacy.losses import per_example_loss
 from dptext.tasks.base import Task, batches
 from dptext.tasks.clc import SIZES as CLC_SIZES, build_clc
@@ -238,9 +239,7 @@ class IntentSlotTask(Task):
                  on_progress: Callable[[int], None] | None = None, journal: Any = None) -> dict[str, float]:
         device = next(model.parameters()).device
         intents, tags = [], []
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
+        with evaluating(model), torch.no_grad():
             for chunk in batches(list(records), batch_size):
                 batch = {k: v.to(device) for k, v in self.collate(self.encode(chunk)).items()}
                 chunk_intents, chunk_tags = self.predict(model, batch)
@@ -249,7 +248,6 @@ class IntentSlotTask(Task):
                 tags += [words + ["O"] * (len(r["tokens"]) - len(words)) for r, words in zip(chunk, chunk_tags)]
                 if on_progress:
                     on_progress(len(chunk))
-        model.train(was_training)
         return intent_slot_scores(records, intents, tags)
 
 

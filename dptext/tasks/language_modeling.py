@@ -14,6 +14,7 @@ import torch
 
 from dptext import metrics
 from dptext.data import group_references
+from dptext.models.modes import evaluating
 from dptext.privacy.losses import per_example_loss
 from dptext.tasks import text_format
 from dptext.tasks.base import Task, batches
@@ -78,18 +79,13 @@ class LanguageModelingTask(Task):
             return [nll.sum().item(), int((batch["labels"][:, 1:] != -100).sum())]
 
         total_nll, total_tokens = 0.0, 0
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                for chunk, (nll, tokens) in journaled_batches(self.encode(records), batch_size, nll_and_tokens,
-                                                              journal, "perplexity"):
-                    total_nll += nll
-                    total_tokens += int(tokens)
-                    if on_progress:
-                        on_progress(len(chunk))
-        finally:
-            model.train(was_training)
+        with evaluating(model), torch.no_grad():
+            for chunk, (nll, tokens) in journaled_batches(self.encode(records), batch_size, nll_and_tokens,
+                                                          journal, "perplexity"):
+                total_nll += nll
+                total_tokens += int(tokens)
+                if on_progress:
+                    on_progress(len(chunk))
         return metrics.perplexity(total_nll, total_tokens)
 
 

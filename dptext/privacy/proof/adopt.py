@@ -27,8 +27,8 @@ def adopt_proof(engine: Any, report: Any) -> None:
     except UserError:
         engine.detach()
         raise
-    engine.verified = True
-    engine.recorder.verified = set(engine.tracked)
+    engine.verified, engine.proven_modes = True, report.modes or None  # a training forward in other train/eval
+    engine.recorder.verified = set(engine.tracked)                     # flags is proven again
 
 
 def _check_adopted(engine: Any, report: Any) -> None:

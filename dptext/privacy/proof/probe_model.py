@@ -8,6 +8,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from dptext.errors import UserError
+
 
 @contextmanager
 def probe_precision(model: nn.Module, dtype: torch.dtype | None):
@@ -45,8 +47,11 @@ def drawn_zero_parameters(params: list[nn.Parameter]):
     generator = torch.Generator().manual_seed(20240602)
     for param in params:
         if param.is_floating_point() and param.numel() and not bool(param.detach().any()):
-            fan_in = param.shape[-1] if param.ndim > 1 else 1
-            drawn = torch.randn(param.shape, generator=generator, dtype=torch.float64) / fan_in ** 0.5
+            # a matrix at the usual init scale (1/√fan-in: LoRA's B over its rank); a vector (a bias, a gate) at
+            # 0.02, the scale of a transformer's init: biases of 1 inflate the activations until the other layers'
+            # gradients fall under the comparison's floor (BitFit's BERT: every value bias "not reached")
+            scale = param.shape[-1] ** -0.5 if param.ndim > 1 else 0.02
+            drawn = torch.randn(param.shape, generator=generator, dtype=torch.float64) * scale
             saved.append((param, param.data))
             param.data = drawn.to(device=param.device, dtype=param.dtype)
     try:
@@ -59,3 +64,18 @@ def drawn_zero_parameters(params: list[nn.Parameter]):
 def training_modes(model: nn.Module) -> tuple[bool, ...]:
     """Each module's train/eval flag, in ``modules()`` order."""
     return tuple(module.training for module in model.modules())
+
+
+def needs_proof(engine) -> bool:
+    """Whether a training forward must be proven first: never proven, or proven in other train/eval flags (a
+    proof adopted from before ``fully_shard`` carries its flags too). Flags changed inside a logical batch are
+    refused: a proof then would add its synthetic sums to the batch's."""
+    if not engine.verified:
+        return True
+    if engine.proven_modes is None or engine.proven_modes == training_modes(engine.model):
+        return False
+    if engine.dp_optimizer.in_logical_batch():
+        raise UserError("The model's train/eval flags changed inside a logical batch (a forward that calls .eval() "
+                        "or .train() on part of the model); change them between steps, so that the start-up probe "
+                        "proves the new forward before its first batch.")
+    return True
