@@ -270,10 +270,12 @@ def run_cell(arch: Arch, mode: str, layout: str = "all_layer", situation: str = 
     batch = make_batch(arch, where)
     reference = copy.deepcopy(model)
     norms, expected = brute_force(reference, batch, where.batch, layout == "per_layer")
-    try:
+    finite = bool(torch.isfinite(norms).all())  # False: the model's own gradients (e.g. transformers' bloom and
+    try:                                          # gemma2 on left-padded rows) are NaN, and the engine must refuse
         got_norms, got = engine_result(model, batch, mode, layout)
     except UserError as error:
-        return f"refused: {error}"
+        return f"refused: {error}" if finite else f"not finite: {error}"
+    assert finite, f"{arch.name} {situation}: the engine accepted a batch whose brute-force gradients are not finite"
     problems = compare(norms, expected, got_norms, got, arch.rtol)
     assert not problems, f"{arch.name} {mode} {layout} {situation} differs from brute force:\n" + "\n".join(problems)
     return "exact"

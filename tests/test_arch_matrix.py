@@ -37,6 +37,9 @@ SENTENCE_END = re.compile(r"[.;:] [A-Z]")  # a second sentence starts after this
 def check_outcome(arch_name: str, outcome: str, situation: str = "default") -> None:
     if outcome == "exact":
         return
+    if outcome.startswith("not finite: "):  # the model itself is not finite on the batch: refusing is right
+        assert "not finite" in outcome.removeprefix("not finite: "), outcome
+        return
     message = outcome.removeprefix("refused: ")
     if message.startswith("ghost clipping"):
         return  # ghost + per-layer: refused by the engine for every model (covered in test_privacy_engine)
