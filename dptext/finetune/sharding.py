@@ -18,9 +18,9 @@ from torch import nn
 
 from dptext.errors import UserError
 from dptext.finetune.task_probe import verify_with_task
+from dptext.models.modes import training_modes
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.clipping.clipped_step import ghost_join, join_reduction
-from dptext.privacy.proof.probe_model import training_modes
 from dptext.privacy.sharding.fsdp_controls import check_ghost_supported
 
 

@@ -1,4 +1,4 @@
-"""Evaluation mode for a while, and each module's own train/eval flag back after.
+"""Each module's own train/eval flag: read, put back, and evaluation mode for a while.
 
 ``model.train(was_training)`` sets every submodule to the root's flag, so a part the user keeps in eval mode on
 purpose (a frozen BatchNorm inside a training model) came back from an evaluation in training mode, where its
@@ -12,13 +12,23 @@ from contextlib import contextmanager
 from torch import nn
 
 
+def training_modes(model: nn.Module) -> tuple[bool, ...]:
+    """Each module's train/eval flag, in ``modules()`` order."""
+    return tuple(module.training for module in model.modules())
+
+
+def restore_modes(model: nn.Module, modes: tuple[bool, ...]) -> None:
+    """Put back the flags ``training_modes`` read from this model (the same modules, in the same order)."""
+    for module, training in zip(model.modules(), modes, strict=True):
+        module.training = training
+
+
 @contextmanager
 def evaluating(model: nn.Module):
     """``model`` in eval mode inside; every module's own flag restored after."""
-    flags = [(module, module.training) for module in model.modules()]
+    modes = training_modes(model)
     model.eval()
     try:
         yield model
     finally:
-        for module, training in flags:
-            module.training = training
+        restore_modes(model, modes)

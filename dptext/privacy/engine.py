@@ -55,7 +55,8 @@ from dptext.privacy.settings import check_settings, describe_mechanism, fixed_se
 from dptext.privacy.clipping.units import LogicalBatchUnits, unit_index
 from dptext.privacy.sampling.user_sampler import UserPoissonSampler, make_user_sampler
 from dptext.privacy.proof.probe_model import needs_proof
-from dptext.privacy.proof.verify import ProbeReport, adopt_proof, probe as verify_probe
+from dptext.privacy.proof.adopt import adopt_proof
+from dptext.privacy.proof.verify import ProbeReport, probe as verify_probe
 
 
 class PrivacyEngine:
@@ -131,10 +132,9 @@ class PrivacyEngine:
         """The model's first training forward (with gradients, while the engine records) runs the start-up probe
         first, on synthetic inputs, unless the engine was verified or built with ``verify=False``: the proof is
         the default in the library as in ``dptext finetune``, and happens before any private example is read."""
-        if not self.verify_first or self._verifying or self.recorder.probing or not self.recorder.active() \
-                or not needs_proof(self):  # the probe's own forwards (also when called directly); proven, in
-            return  # these train/eval flags
-        self.verify(*self._probe_args)
+        if self.verify_first and not self._verifying and not self.recorder.probing and self.recorder.active() \
+                and needs_proof(self):  # not the probe's own forwards; not yet proven in these train/eval flags
+            self.verify(*self._probe_args)
 
     def _plan(self) -> None:
         """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""

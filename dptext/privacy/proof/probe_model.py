@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dptext.errors import UserError
+from dptext.models.modes import training_modes
 
 
 @contextmanager
@@ -59,11 +60,6 @@ def drawn_zero_parameters(params: list[nn.Parameter]):
     finally:
         for param, data in saved:
             param.data = data
-
-
-def training_modes(model: nn.Module) -> tuple[bool, ...]:
-    """Each module's train/eval flag, in ``modules()`` order."""
-    return tuple(module.training for module in model.modules())
 
 
 def needs_proof(engine) -> bool:

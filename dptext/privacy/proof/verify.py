@@ -29,12 +29,13 @@ from torch import Tensor, nn
 
 from dptext.allocator import release_freed_memory
 from dptext.errors import UserError
-from dptext.privacy.proof.adopt import adopt_proof, proof_plan  # noqa: F401 - adopt_proof: the engine imports it here
+from dptext.models.modes import restore_modes, training_modes
+from dptext.privacy.proof.adopt import proof_plan
 from dptext.privacy.proof.independence import with_row
 from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
-from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision, training_modes  # noqa: F401
+from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.sharding.sharded import is_sharded
 
@@ -196,8 +197,6 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     device = engine.params[0].device
     decided_by = representatives(model, engine.tracked, engine.names, engine_hooks(engine))
     report.compared = sum(1 for module, rep in decided_by.items() if rep is module)
-    modes = [(module, module.training) for module in model.modules()]  # restored one by one: a BatchNorm the
-    # user put in eval mode inside a training model stays so
     cut = plan_cut(model, engine.tracked, decided_by, engine_hooks(engine)) if cut_stacks else None
 
     def probe_batches(batches) -> None:
@@ -248,8 +247,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
                         "in the forward); pass make_batch and loss_fn that fit the model to engine.verify(), or use "
                         "a task that builds its own probe batch.") from error
     finally:
-        for module, training in modes:
-            module.training = training
+        restore_modes(model, report.modes)  # each module's own flag (a BatchNorm kept in eval mode stays so)
         engine.recorder.probing = False
         engine.zero_grad()
         release_freed_memory()  # the float64 copy of the model: several GB that training will not reuse
