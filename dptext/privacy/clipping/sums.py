@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from dptext.privacy.clipping.use import Use
 from dptext.privacy.norms import inner_product
+from dptext.privacy.norms.embedding import EmbeddingRule
 from dptext.privacy.norms.linear import shared_input_grams
 from dptext.privacy.clipping.units import UnitIndex, coefficients_per_row, unit_norm_sq_per_parameter
 
@@ -122,7 +123,25 @@ def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor], per_unit: bo
             else:
                 use.release()
         uses = kept
-    return _sum_per_parameter(uses, clipped_sum_of, release=True)
+    rows = _row_updates(uses)
+    totals = _sum_per_parameter([use for use in uses if use not in rows], clipped_sum_of, release=True)
+    for use, param in rows.items():  # after its parameter's other uses: added into their sum, in place
+        coef_of_use = coefficients_per_row({"weight": coef[param]}, use.units)["weight"] if per_unit else coef[param]
+        totals[param] = use.rule.add_clipped_sum(totals[param], use.module, use.activation, use.grad_output,
+                                                 coef_of_use)
+        use.release()
+    return totals
+
+
+def _row_updates(uses: list[Use]) -> dict[Use, nn.Parameter]:
+    """The embedding uses (``EmbeddingRule.add_clipped_sum``, unmodified ``clipped_sum``) of a parameter that
+    another use sums too (a tied embedding and LM head): their rows are added into that use's V×d sum in place,
+    so a step holds two V×d matrices instead of three and skips a zero fill and an addition of V×d entries."""
+    plain = EmbeddingRule.clipped_sum  # a subclass that changes the sum overrides add_clipped_sum (scaled ones)
+    rows = {use: use.module.get_parameter("weight") for use in uses
+            if getattr(type(use.rule), "clipped_sum", None) is plain and tuple(use.names) == ("weight",)}
+    others = {use.module.get_parameter(name) for use in uses if use not in rows for name in use.names}
+    return {use: param for use, param in rows.items() if param in others}
 
 
 def per_example_grads(uses: list[Use]) -> dict[nn.Parameter, Tensor]:

@@ -54,11 +54,17 @@ class EmbeddingRule:
         return {"weight": norms.index_add_(0, example_of_group, summed.pow(2).sum(dim=1))}
 
     def clipped_sum(self, module, names, ids, grad_output, coef) -> dict[str, Tensor]:
+        total = torch.zeros(module.num_embeddings, grad_output.shape[-1], device=grad_output.device,
+                            dtype=grad_output.dtype)
+        return {"weight": self.add_clipped_sum(total, module, ids, grad_output, coef["weight"])}
+
+    def add_clipped_sum(self, total: Tensor, module, ids, grad_output, coef: Tensor) -> Tensor:
+        """``total`` += this use's clipped sum, in place: a tied embedding adds its rows straight into the LM
+        head's V×d sum (``clipping.sums.clipped_sums``) instead of a zero-filled third V×d matrix."""
         g = grad_output.reshape(ids.shape[0], ids.shape[1], -1)
-        weighted = (g * coef["weight"].to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
+        weighted = (g * coef.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])
         keep = ids.reshape(-1) >= 0
-        total = torch.zeros(module.num_embeddings, g.shape[-1], device=g.device, dtype=g.dtype)
-        return {"weight": total.index_add_(0, ids.reshape(-1)[keep], weighted[keep])}
+        return total.index_add_(0, ids.reshape(-1)[keep], weighted[keep].to(total.dtype))
 
     def per_example(self, module, names, ids, grad_output) -> dict[str, Tensor]:
         batch, positions = ids.shape

@@ -47,8 +47,8 @@ class ScaledEmbeddingRule(EmbeddingRule):
     def norm_sq(self, module, names, ids, grad_output):
         return super().norm_sq(module, names, ids, grad_output * embed_scale(module, grad_output))
 
-    def clipped_sum(self, module, names, ids, grad_output, coef):
-        return super().clipped_sum(module, names, ids, grad_output * embed_scale(module, grad_output), coef)
+    def add_clipped_sum(self, total, module, ids, grad_output, coef):
+        return super().add_clipped_sum(total, module, ids, grad_output * embed_scale(module, grad_output), coef)
 
     def per_example(self, module, names, ids, grad_output):
         return super().per_example(module, names, ids, grad_output * embed_scale(module, grad_output))

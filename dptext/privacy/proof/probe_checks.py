@@ -20,7 +20,8 @@ from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
 from dptext.privacy.proof.independence import (_first_tensor, check_loss_independence, check_redrawn_examples,
                                                plain_loss, same_values)
-from dptext.privacy.proof.reference import Reference, reference_gradients, same_randomness, squared_norm
+from dptext.privacy.proof.reference import (Reference, reference_gradients, same_randomness, squared_distance,
+                                            squared_norm)
 
 RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
 DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"
@@ -132,8 +133,12 @@ def compare(engine, report, reference: Reference, norms_sq, sums) -> None:
             norm_failures.append((param, "its per-example gradient norms" + DIFFER))
     sum_failures = []
     for param, expected_sum in zip(params if not norm_failures else [], reference.sums):
-        got_sum = sums.get(param, torch.zeros_like(expected_sum)).to(expected_sum.dtype)
-        error = float(squared_norm(got_sum - expected_sum)) ** 0.5
+        got_sum = sums.get(param)
+        if got_sum is not None and got_sum.shape != expected_sum.shape:
+            sum_failures.append((param, "its clipped sums" + DIFFER))
+            continue
+        missing = got_sum is None
+        error = float(squared_norm(expected_sum) if missing else squared_distance(got_sum, expected_sum)) ** 0.5
         if error > RTOL * float(squared_norm(expected_sum)) ** 0.5 + 1e-6 * engine.max_grad_norm:
             sum_failures.append((param, "its clipped sums" + DIFFER))
     for param, what in norm_failures + sum_failures:

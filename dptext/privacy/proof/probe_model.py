@@ -47,7 +47,7 @@ def drawn_zero_parameters(params: list[nn.Parameter]):
     saved = []
     generator = torch.Generator().manual_seed(20240602)
     for param in params:
-        if param.is_floating_point() and param.numel() and not bool(param.detach().any()):
+        if param.is_floating_point() and param.numel() and _all_zero(param.detach()):
             # a matrix at the usual init scale (1/√fan-in: LoRA's B over its rank); a vector (a bias, a gate) at
             # 0.02, the scale of a transformer's init: biases of 1 inflate the activations until the other layers'
             # gradients fall under the comparison's floor (BitFit's BERT: every value bias "not reached")
@@ -60,6 +60,14 @@ def drawn_zero_parameters(params: list[nn.Parameter]):
     finally:
         for param, data in saved:
             param.data = data
+
+
+def _all_zero(tensor: torch.Tensor) -> bool:
+    """Whether every entry is 0; a nonzero entry among 4,096 spread ones answers without reading the rest (the
+    whole scan read every weight of the model once, ~0.3 s of the probe at 246M parameters)."""
+    if tensor.is_contiguous() and bool(tensor.view(-1)[::max(1, tensor.numel() // 4096)].any()):
+        return False
+    return not bool(tensor.any())
 
 
 def needs_proof(engine) -> bool:

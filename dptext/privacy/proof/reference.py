@@ -62,7 +62,7 @@ class Reference:
         others = other_norms_sq or {}
         squares: list[dict[nn.Parameter, Tensor]] = []
         self.params = params
-        self.sums = [torch.zeros_like(p, dtype=reference_dtype(p)) for p in params]
+        self.sums: list[Tensor] = []  # formed from the first compared example's gradient: no zero-filled copy
         with requiring_grad(params):
             with engine.recorder.paused(), same_randomness(device):
                 loss = loss_fn(engine.model, batch)
@@ -78,9 +78,13 @@ class Reference:
                 whole = {**norms, **{p: n[i:i + 1].double() for p, n in others.items() if p not in norms}}
                 coef, _ = clipping.clip_coefficients(whole, engine.max_grad_norm, engine.clipping_layout,
                                                      len(engine.params))
-                for total, g, p in zip(self.sums, row, params):
-                    total.add_(g.to(total.dtype), alpha=float(coef[p]))
+                for k, (g, p) in enumerate(zip(row, params)):
+                    if k == len(self.sums):
+                        self.sums.append(g.to(reference_dtype(p)) * float(coef[p]))
+                    else:
+                        self.sums[k].add_(g.to(self.sums[k].dtype), alpha=float(coef[p]))
                 squares.append(norms)
+        self.sums += [torch.zeros_like(p, dtype=reference_dtype(p)) for p in params[len(self.sums):]]
         self.norms_sq = {p: torch.cat([each[p] for each in squares]) if squares else None for p in params}
         if not bool(torch.isfinite(self.loss).all()):
             raise ReferenceFailed("non-finite losses or gradients")
@@ -114,6 +118,19 @@ def squared_norm(gradient: Tensor) -> Tensor:
     if not parts:
         return flat.new_zeros(1, dtype=torch.float64)
     return torch.cat(parts).double().pow(2).sum().reshape(1)
+
+
+DIFFERENCE_BLOCK = 16 * NORM_CHUNK  # entries of a difference formed at once: never a model-sized temporary
+
+
+def squared_distance(got: Tensor, expected: Tensor) -> Tensor:
+    """‖got − expected‖² as a (1,) fp64 tensor, ``got`` taken in ``expected``'s precision, with the same
+    partial sums as ``squared_norm``; the difference of a 32k × 2k tied embedding is formed a block at a time
+    (a whole one was a 262 MB allocation, zero-filled page by page, for one read)."""
+    a, b = got.reshape(-1), expected.reshape(-1)
+    parts = [squared_norm(a[start:start + DIFFERENCE_BLOCK].to(b.dtype) - b[start:start + DIFFERENCE_BLOCK])
+             for start in range(0, b.numel(), DIFFERENCE_BLOCK)]
+    return torch.cat(parts).sum().reshape(1) if parts else b.new_zeros(1, dtype=torch.float64)
 
 
 def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=None, examples=None) -> Reference:

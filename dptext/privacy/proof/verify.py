@@ -37,6 +37,7 @@ from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
+from dptext.privacy.proof.vocabulary import plan_vocabulary_cut, vocabulary_applied
 from dptext.privacy.sharding.sharded import is_sharded
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
@@ -100,10 +101,15 @@ class ProbeReport:
                             "the trained layers.")
 
 
+def token_vocabulary(model: nn.Module) -> int | None:
+    """The model's vocabulary size (its config's, else its input embedding's), or None."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model
+    return getattr(getattr(model, "config", None), "vocab_size", None) or getattr(embeddings, "num_embeddings", None)
+
+
 def synthetic_token_batch(model: nn.Module) -> Callable[[int, int, torch.Generator], dict[str, Tensor]]:
     """Random ids in [1, vocab) with right padding of unequal lengths (the first example is full length)."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or getattr(embeddings, "num_embeddings", None)
+    vocab = token_vocabulary(model)
     if not vocab:
         raise UserError("The start-up probe cannot tell this model's vocabulary size to build its synthetic batch; "
                         "give PrivacyEngine(..., probe_batch=..., probe_loss=...) (or pass them to engine.verify()), "
@@ -188,6 +194,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     model = engine.model
     if any(is_sharded(param) for param in engine.params):  # FSDP2's DTensor shards
         raise UserError(SHARDED)
+    rows = plan_vocabulary_cut(model, token_vocabulary(model)) if make_batch is None and cut_stacks else None
     make_batch = make_batch or synthetic_token_batch(model)
     loss_fn = loss_fn or output_functional_loss
     report = ProbeReport({m: LayerRow(engine.names[m], type(m).__name__, type(rule).__name__.removesuffix("Rule"))
@@ -207,19 +214,22 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
         with probe_precision(model, precision), drawn_zero_parameters(engine.params):
             batches = []
             for number, (examples, positions) in enumerate(shapes):
-                batch, redraw = synthetic_batches(make_batch, examples, positions, number, device)
+                draw = make_batch if number == 0 or rows is None else (  # ids below the vocabulary cut
+                    lambda b, t, generator: random_token_batch(rows.rows, generator, b, t))
+                batch, redraw = synthetic_batches(draw, examples, positions, number, device)
                 batches.append((batch, redraw if examples > 1 else None))
-            if cut is None:
+            if cut is None and rows is None:
                 return probe_batches(batches)
             probe_batches(batches[:1])  # B ≠ T on the whole model: every check, at every depth
-            try:
-                with applied(cut):  # B = T on the blocks that differ (``proof.stack``)
+            try:  # B = T on the blocks that differ (``proof.stack``) and the first rows of the vocabulary
+                with applied(cut), vocabulary_applied(rows):  # (``proof.vocabulary``)
                     probe_batches(batches[1:])
-            except (UserError, ReferenceFailed):
+            except UserError:
                 raise
-            except Exception as error:  # noqa: BLE001 - this forward does not run on a cut stack: prove it whole
+            except Exception as error:  # noqa: BLE001 - this forward (or its reference) does not run on the cut
+                # stack or vocabulary: prove it whole, where a reference that fails again is the finding
                 reset(report, engine)
-                report.notes.append(f"proved the whole stack: the model's forward fails on the cut one "
+                report.notes.append(f"proved the whole stack and vocabulary: the model's forward fails on the cut "
                                     f"({type(error).__name__})")
                 return probe_batches(batches)
             for batch, _ in batches[1:]:
