@@ -38,11 +38,12 @@ def test_the_plan_cuts_the_embedding_and_the_head_once_when_tied_and_each_when_n
     tied, untied = llama(), llama(tied=False)
     vocab = tied.config.vocab_size
     cut = plan_vocabulary_cut(tied, vocab, rows=16)
-    assert [attribute for _, attribute in cut.sizes] == ["num_embeddings", "out_features"]
+    assert [attribute for _, attribute in cut.sizes] == ["num_embeddings", "out_features", "vocab_size"]
+    assert cut.rows == 2 * tied.config.hidden_size  # at least twice the width: size-based choices as in training
     assert cut.params == [tied.lm_head.weight] and tied.lm_head.weight is tied.model.embed_tokens.weight
     assert len(plan_vocabulary_cut(untied, vocab, rows=16).params) == 2
     assert plan_vocabulary_cut(tied, vocab, rows=vocab // 2 + 1) is None  # not much larger: nothing to gain
-    tied.model.embed_tokens.padding_idx = 20
+    tied.model.embed_tokens.padding_idx = 2 * tied.config.hidden_size
     assert plan_vocabulary_cut(tied, vocab, rows=16) is None  # the padding row would be cut away
 
 
@@ -61,8 +62,9 @@ def test_the_second_shape_runs_on_the_cut_vocabulary_and_the_model_is_given_back
 
     monkeypatch.setattr(verify, "probe_one", recording)
     report = engine_for(model).verify()
-    vocab = model.config.vocab_size
-    assert seen[0][:4] == (vocab,) * 4 and seen[1][:4] == (16,) * 4 and seen[1][4] < 16
+    vocab, rows = model.config.vocab_size, 2 * model.config.hidden_size
+    assert seen[0][:4] == (vocab,) * 4 and seen[1][:4] == (rows,) * 4 and seen[1][4] < rows
+    assert model.config.vocab_size == vocab
     assert {row.status for row in report.rows.values()} == {"exact"}
     assert (embed.weight.shape[0], head.weight.shape[0], embed.num_embeddings, head.out_features) == (vocab,) * 4
     assert torch.equal(embed.weight, before[0]) and torch.equal(head.weight, before[1])
@@ -115,6 +117,82 @@ def test_a_forward_that_needs_the_whole_vocabulary_is_proven_whole():
     assert any("proved the whole stack and vocabulary" in note for note in report.notes)
     assert {row.status for row in report.rows.values()} == {"exact"}
     assert model.head.weight.shape == (40, 8) and model.embed.num_embeddings == 40
+
+
+class WrittenOnce(VocabularyBias):
+    """A buffer written by the first training forward only (a data-dependent init), which the first shape refuses,
+    and a V-sized logits buffer, on which the cut second shape fails and falls back to the whole model."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(8))
+        self.register_buffer("initialised", torch.zeros((), dtype=torch.bool))
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed(input_ids)
+        if self.training and not bool(self.initialised):
+            with torch.no_grad():
+                self.scale.copy_(1 / (h.std(dim=(0, 1)) + 1e-6))
+                self.initialised.fill_(True)
+        return self.head(torch.tanh(self.body(h * self.scale))) + self.final_logits_bias
+
+
+def test_the_fallback_to_the_whole_model_keeps_what_the_first_shape_found():
+    """Red team (session 24): the fallback reset the report, so a finding of the first shape that does not repeat
+    (a buffer written once) was forgotten and the model accepted."""
+    with pytest.raises(UserError, match="buffer 'scale'"):
+        engine_for(WrittenOnce().train()).verify()
+
+
+def test_a_tied_scaled_embedding_is_cut_with_its_head():
+    """Gemma's embedding is an ``nn.Embedding`` subclass that scales its output, tied to the head."""
+    import transformers
+
+    config = transformers.GemmaConfig(vocab_size=261, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      tie_word_embeddings=True)
+    model = transformers.GemmaForCausalLM(config).train()
+    embedding = model.get_input_embeddings()
+    assert type(embedding) is not nn.Embedding and embedding.weight is model.lm_head.weight
+    cut = plan_vocabulary_cut(model, config.vocab_size, rows=16)
+    assert (embedding, "num_embeddings") in cut.sizes and cut.params == [model.lm_head.weight]
+    report = engine_for(model).verify()
+    assert not report.notes and {row.status for row in report.rows.values()} == {"exact"}
+
+
+def test_a_task_batch_is_drawn_below_the_cut_and_one_with_an_id_beyond_it_runs_on_the_whole_vocabulary(
+        monkeypatch):
+    """Tasks draw their probe ids from the model's vocabulary size (``tasks.probe_batches.vocab_size``), read
+    under the cut; a batch holding a fixed id at or beyond it (a special token) runs the shape uncut."""
+    from dptext.privacy import causal_lm_loss
+    from dptext.tasks.probe_batches import token_batch, vocab_size
+
+    def loss(model, batch):
+        return causal_lm_loss(model(**batch).logits, batch["input_ids"], batch["attention_mask"])
+
+    real = verify.probe_one
+    for special in (None, 200):
+        model = llama()
+        seen = []
+        def recording(engine, report, batch, *rest, model=model, seen=seen):
+            seen.append((model.lm_head.weight.shape[0], int(batch["input_ids"].max())))
+            return real(engine, report, batch, *rest)
+
+        monkeypatch.setattr(verify, "probe_one", recording)
+
+        def make_batch(examples, positions, generator, special=special):
+            batch = token_batch(vocab_size(model), generator, examples, positions)
+            if special is not None:
+                batch["input_ids"][:, 0] = special
+            return batch
+
+        report = engine_for(model).verify(make_batch=make_batch, loss_fn=loss)
+        assert {row.status for row in report.rows.values()} == {"exact"} and not report.notes
+        rows = 2 * model.config.hidden_size
+        if special is None:
+            assert seen[1][0] == rows and seen[1][1] < rows
+        else:
+            assert seen[1][0] == model.config.vocab_size and seen[1][1] >= special
 
 
 def test_the_probe_of_the_suites_models_cuts_their_vocabulary():

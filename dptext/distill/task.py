@@ -49,3 +49,7 @@ class DistillationTask(LanguageModelingTask):
             kd_lambda=self.kd_lambda, temperature=self.temperature, hidden_alpha=self.hidden_alpha,
             student_hidden=student.hidden_states[-1] if wants_hidden else None,
             teacher_hidden=teacher.hidden_states[-1] if wants_hidden else None, reduction=self.reduction)
+
+    # the teacher's logits span the whole vocabulary: the probe's second shape must not cut the student's
+    # (``dptext.privacy.proof.vocabulary``)
+    per_example_loss.needs_whole_vocabulary = True

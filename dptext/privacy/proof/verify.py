@@ -15,7 +15,9 @@ privacy. A ``PrivacyEngine`` runs it before the model's first training forward u
    sums (``reference.Reference``); the other layers of a pattern share the representative's verdict;
 4. re-draws one example at a time (its row of every tensor of the batch) with the hooks: every other example's
    loss and every other row of every recorded input must stay put (the loss is per example, rows are examples).
-Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first into one sentence.
+Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first into one sentence. The first shape
+runs on the whole model; the second on each block stack cut after its last block that differs (``proof.stack``)
+and, with the default batch, on the first rows of the vocabulary (``proof.vocabulary``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
-from dptext.privacy.proof.vocabulary import plan_vocabulary_cut, vocabulary_applied
+from dptext.privacy.proof.vocabulary import ids_below, plan_vocabulary_cut, vocabulary_applied
 from dptext.privacy.sharding.sharded import is_sharded
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
@@ -116,7 +118,8 @@ def synthetic_token_batch(model: nn.Module) -> Callable[[int, int, torch.Generat
                         "or opt out with verify=False / privacy.verify=false (recorded as 'clipping not verified').")
 
     def make_batch(examples: int, positions: int, generator: torch.Generator) -> dict[str, Tensor]:
-        return random_token_batch(vocab, generator, examples, positions)
+        return random_token_batch(token_vocabulary(model) or vocab, generator, examples, positions)  # read at each
+        # draw: under the probe's vocabulary cut (``proof.vocabulary``) the ids stay below it
 
     return make_batch
 
@@ -176,6 +179,18 @@ def engine_hooks(engine: Any) -> set[int]:
     return {handle.id for handle in handles if hasattr(handle, "id")}  # a model patch is no hook
 
 
+def findings(report: ProbeReport) -> tuple:
+    """What the probe has found so far, to be restored by ``restore_findings``."""
+    return {module: (row.status, row.why) for module, row in report.rows.items()}, report.loss_problem, \
+        report.state_problem
+
+
+def restore_findings(report: ProbeReport, found: tuple) -> None:
+    rows, report.loss_problem, report.state_problem = found
+    for module, (status, why) in rows.items():
+        report.rows[module].status, report.rows[module].why = status, why
+
+
 def reset(report: ProbeReport, engine: Any) -> None:
     """Forget a probe attempt's findings before another one (the whole stack, the model's own dtype)."""
     engine.zero_grad()
@@ -194,7 +209,8 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     model = engine.model
     if any(is_sharded(param) for param in engine.params):  # FSDP2's DTensor shards
         raise UserError(SHARDED)
-    rows = plan_vocabulary_cut(model, token_vocabulary(model)) if make_batch is None and cut_stacks else None
+    whole_vocabulary = getattr(loss_fn, "needs_whole_vocabulary", False)  # compares logits with another model's
+    rows = plan_vocabulary_cut(model, token_vocabulary(model)) if cut_stacks and not whole_vocabulary else None
     make_batch = make_batch or synthetic_token_batch(model)
     loss_fn = loss_fn or output_functional_loss
     report = ProbeReport({m: LayerRow(engine.names[m], type(m).__name__, type(rule).__name__.removesuffix("Rule"))
@@ -210,29 +226,39 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
         for batch, redraw in batches:
             probe_one(engine, report, batch, loss_fn, device, redraw, decided_by)
 
+    def draw(shapes_from: int, vocabulary=None) -> list:
+        """The synthetic batches of ``shapes[shapes_from:]``, drawn with the model's vocabulary sizes cut to
+        ``vocabulary`` (a task's batch reads them: ``dptext.tasks.probe_batches.vocab_size``)."""
+        batches = []
+        with vocabulary_applied(vocabulary):
+            for number, (examples, positions) in list(enumerate(shapes))[shapes_from:]:
+                batch, redraw = synthetic_batches(make_batch, examples, positions, number, device)
+                batches.append((batch, redraw if examples > 1 else None))
+        return batches
+
     def run_probes(precision) -> None:
         with probe_precision(model, precision), drawn_zero_parameters(engine.params):
-            batches = []
-            for number, (examples, positions) in enumerate(shapes):
-                draw = make_batch if number == 0 or rows is None else (  # ids below the vocabulary cut
-                    lambda b, t, generator: random_token_batch(rows.rows, generator, b, t))
-                batch, redraw = synthetic_batches(draw, examples, positions, number, device)
-                batches.append((batch, redraw if examples > 1 else None))
             if cut is None and rows is None:
-                return probe_batches(batches)
-            probe_batches(batches[:1])  # B ≠ T on the whole model: every check, at every depth
+                return probe_batches(draw(0))
+            probe_batches(draw(0)[:1])  # B ≠ T on the whole model: every check, at every depth
+            first_shape = findings(report)
+            later = draw(1, rows)
+            vocabulary = rows if rows and all(ids_below(batch, rows.rows) for batch, _ in later) else None
+            later = later if vocabulary is rows else draw(1)  # a batch with ids beyond the cut: whole vocabulary
             try:  # B = T on the blocks that differ (``proof.stack``) and the first rows of the vocabulary
-                with applied(cut), vocabulary_applied(rows):  # (``proof.vocabulary``)
-                    probe_batches(batches[1:])
+                with applied(cut), vocabulary_applied(vocabulary):  # (``proof.vocabulary``)
+                    probe_batches(later)
             except UserError:
                 raise
             except Exception as error:  # noqa: BLE001 - this forward (or its reference) does not run on the cut
-                # stack or vocabulary: prove it whole, where a reference that fails again is the finding
-                reset(report, engine)
+                # stack or vocabulary: prove the later shapes whole (a reference that fails again is the finding),
+                restore_findings(report, first_shape)  # keeping what the first shape found
+                engine.zero_grad()
                 report.notes.append(f"proved the whole stack and vocabulary: the model's forward fails on the cut "
                                     f"({type(error).__name__})")
-                return probe_batches(batches)
-            for batch, _ in batches[1:]:
+                later = draw(1)
+                return probe_batches(later)
+            for batch, _ in later:
                 check_whole_forward(engine, report, batch, loss_fn, device)
 
     def run_or_refuse(precision) -> None:

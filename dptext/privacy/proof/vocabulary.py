@@ -1,60 +1,99 @@
-"""The probe's second shape on the first rows of the vocabulary (``KEPT_ROWS``), as well as on the blocks that differ.
+"""The probe's second shape on the first rows of the vocabulary, as well as on the blocks that differ.
 
 The second probe shape (B = T) is about layouts that confuse examples with positions; the vocabulary plays no part
 in them. Yet at its full size the token embedding and the LM head (tied: one V×d matrix) cost most of that shape on
-a mid-size model: every forward reads the head, and every example's brute-force gradient of the tied matrix is a
-dense V×d tensor (32k × 2k on TinyLlama's shape: 262 MB, formed, added and read per example). So, for the default
-synthetic token batch, the second shape runs with the model's vocabulary matrices cut to their first rows: the
-input embedding's and the output head's weight (and the head's bias) are the same ``nn.Parameter`` objects holding a
-view of their first ``KEPT_ROWS`` rows, ``num_embeddings`` / ``out_features`` say so, and the batch's ids are drawn
-below it. Everything else is the model's own code and parameters; the rules run unchanged on the smaller matrices.
-The first shape (B ≠ T) runs on the full vocabulary, as does the second shape's hooked forward of the whole model.
-A model whose forward does not run on the cut vocabulary (a V-sized buffer such as BART's ``final_logits_bias``)
-fails there and is proven whole (``verify``), as a stack that cannot be cut is.
+a mid-size model: every forward reads the head, and every compared example's brute-force gradient of the tied
+matrix is a dense V×d tensor (32k × 2k on TinyLlama's shape: 262 MB, formed, added and read per example). So the
+second shape runs with the model's vocabulary matrices cut to their first rows: the input embedding's and the
+output head's weight (and the head's bias) are the same ``nn.Parameter`` objects holding a view of their first rows,
+every module holding them (``num_embeddings`` / ``out_features``) and the model's config (``vocab_size``) say so,
+and the batch is drawn under the cut (the default batch and the tasks' read the vocabulary size when they draw).
+The rows kept are at least twice the matrices' width, so that choices made by size (which factor of the LM head's
+clipped sum to scale, V > d; the ghost or instantiated norm) come out as on the whole vocabulary.
+
+Everything else is the model's own code and parameters; the rules run unchanged on the smaller matrices. The
+first shape (B ≠ T) runs on the full vocabulary, as does the second shape's hooked forward of the whole model. A
+batch with an id at or beyond the cut (a task's fixed special token) runs that shape on the whole vocabulary, and
+a model whose forward or reference fails on the cut (a V-sized buffer such as BART's ``final_logits_bias``) is
+proven whole (``verify``), as a stack that cannot be cut is.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
 
-KEPT_ROWS = 1024  # rows of the vocabulary the second shape keeps: far more than its 16 ids, a small head to read
+KEPT_ROWS = 1024  # the fewest rows of the vocabulary the second shape keeps (at least twice the model's width)
 
 
 @dataclass
 class VocabularyCut:
     rows: int
     params: list[nn.Parameter] = field(default_factory=list)  # held as a view of their first ``rows`` rows
-    sizes: list[tuple[nn.Module, str]] = field(default_factory=list)  # (module, attribute holding the vocabulary)
+    sizes: list[tuple[Any, str]] = field(default_factory=list)  # (module or config, attribute holding the size)
+
+
+def _matrix_width(module: nn.Module, vocab: int) -> int | None:
+    """The width of ``module`` if it is a vocabulary matrix of ``vocab`` rows (an embedding or an output head)."""
+    if isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
+        return module.embedding_dim
+    if isinstance(module, nn.Linear) and module.out_features == vocab:
+        return module.in_features
+    return None
 
 
 def plan_vocabulary_cut(model: nn.Module, vocab: int | None, rows: int | None = None) -> VocabularyCut | None:
-    """The model's input embedding and output head of ``vocab`` rows cut to ``rows`` (``KEPT_ROWS``); None when
-    there is no such matrix, the vocabulary is not much larger, or a padding row lies beyond the cut."""
-    rows = rows or KEPT_ROWS
-    if not vocab or vocab < 2 * rows:
+    """The model's input embedding and output head of ``vocab`` rows cut to ``rows`` (``KEPT_ROWS``, at least
+    twice their width); None when there is no such matrix, the vocabulary is not much larger, a padding row lies
+    beyond the cut, or a module other than an embedding or a linear layer holds one of the cut parameters."""
+    if not vocab:
         return None
-    found: list[tuple[nn.Module, str]] = []
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if type(inputs) is nn.Embedding and inputs.num_embeddings == vocab:
-        if inputs.padding_idx is not None and inputs.padding_idx >= rows:
-            return None
-        found.append((inputs, "num_embeddings"))
-    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(outputs) is nn.Linear and outputs.out_features == vocab:
-        found.append((outputs, "out_features"))
-    if not found:
+    matrices = [module for module in (getattr(model, name)() for name in ("get_input_embeddings",
+                                                                         "get_output_embeddings")
+                                      if hasattr(model, name)) if module is not None]
+    widths = [_matrix_width(module, vocab) for module in matrices]
+    matrices = [module for module, width in zip(matrices, widths) if width is not None]
+    if not matrices:
         return None
-    cut = VocabularyCut(rows, sizes=found)
-    for module, _ in found:
+    rows = max(rows or KEPT_ROWS, 2 * max(width for width in widths if width is not None))
+    if vocab < 2 * rows:
+        return None
+    cut = VocabularyCut(rows)
+    for module in matrices:
         for param in module.parameters(recurse=False):
             if param.shape[0] != vocab:
                 return None
             if all(param is not other for other in cut.params):  # tied: one matrix, cut once
                 cut.params.append(param)
+    for module in model.modules():  # every module holding a cut matrix (a tied head, a scaled embedding)
+        if not any(param is held for param in cut.params for held in module.parameters(recurse=False)):
+            continue
+        if _matrix_width(module, vocab) is None:
+            return None
+        if isinstance(module, nn.Embedding):
+            if module.padding_idx is not None and module.padding_idx >= rows:
+                return None
+            cut.sizes.append((module, "num_embeddings"))
+        else:
+            cut.sizes.append((module, "out_features"))
+    config = getattr(model, "config", None)
+    if getattr(config, "vocab_size", None) == vocab:
+        cut.sizes.append((config, "vocab_size"))
     return cut
+
+
+def ids_below(batch: dict[str, Any], rows: int) -> bool:
+    """Whether every integer tensor of ``batch`` (ids, labels) stays below ``rows``: an id beyond the cut must
+    never reach the cut embedding (on a GPU an out-of-range lookup is a device-side assert, not an exception)."""
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.numel() and not value.is_floating_point() \
+                and value.dtype != torch.bool and int(value.max()) >= rows:
+            return False
+    return True
 
 
 @contextmanager
@@ -65,16 +104,16 @@ def vocabulary_applied(cut: VocabularyCut | None):
         yield
         return
     data = [param.data for param in cut.params]
-    sizes = [getattr(module, attribute) for module, attribute in cut.sizes]
+    sizes = [getattr(holder, attribute) for holder, attribute in cut.sizes]
     try:
         for param, whole in zip(cut.params, data):
             param.data = whole[:cut.rows]
-        for module, attribute in cut.sizes:
-            setattr(module, attribute, cut.rows)
+        for holder, attribute in cut.sizes:
+            setattr(holder, attribute, cut.rows)
         yield
     finally:
         for param, whole in zip(cut.params, data):
             param.grad = None
             param.data = whole
-        for (module, attribute), size in zip(cut.sizes, sizes):
-            setattr(module, attribute, size)
+        for (holder, attribute), size in zip(cut.sizes, sizes):
+            setattr(holder, attribute, size)
