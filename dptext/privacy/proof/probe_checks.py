@@ -212,26 +212,23 @@ def loss_shape_problem(batch: dict[str, Any], loss: Tensor) -> str | None:
             "(dptext.privacy.per_example_loss)")
 
 
-def compared_examples(batch: dict[str, Any], examples: int | None, count: int = 2) -> set[int]:
+def compared_examples(batch: dict[str, Any], examples: int | None) -> set[int]:
     """The examples whose gradients the numeric comparison takes: the first (full length) and the one with the
-    fewest real positions (the most padding); with ``count`` 1 the first only. The batch keeps all its rows in every
-    forward (the shapes B ≠ T and B = T are what the probe is about) and the redraws re-draw every example; the
-    others' losses are weighted by 0 in the engine's pass, so their exact gradient is 0 and any norm or sum the
-    engine gives them is a path that moves gradient between examples. Two examples, not all: each example's
-    brute-force gradient is one backward pass over the whole model, which made up half of the probe's time; one
-    in the whole-model shape when the later shapes compare two on the cut model (docs/privacy_engine.md)."""
+    fewest real positions (the most padding). The batch keeps all its rows in every forward (the shapes B ≠ T and
+    B = T are what the probe is about) and the redraws re-draw every example; the others' losses are weighted by 0
+    in the engine's pass, so their exact gradient is 0 and any norm or sum the engine gives them is a path that
+    moves gradient between examples. Two examples, not all: each example's brute-force gradient is one backward
+    pass over the whole model, which made up half of the probe's time (docs/privacy_engine.md)."""
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
     if examples is None:
         examples = len(next(v for v in batch.values() if isinstance(v, Tensor)))
-    if count == 1:
-        return {0}
     if not isinstance(mask, Tensor) or mask.ndim < 2 or len(mask) != examples:
         return set(range(min(examples, 2)))
     lengths = mask.reshape(examples, -1).sum(dim=1)
     return {0, int(torch.argmin(lengths[1:]).item()) + 1} if examples > 1 else {0}
 
 
-def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, compared_count: int = 2) -> None:
+def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> None:
     """One synthetic batch; ``redraw(j)`` gives it with example j re-drawn (None: one example, nothing to check).
 
     ``decided_by`` maps each tracked layer to the one whose numeric comparison decides for it
@@ -247,7 +244,7 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, compar
             baseline = plain_loss(engine, batch, loss_fn, device)  # the redraws' losses are computed this way
             check_loss_independence(engine, report, batch, redraw, loss_fn, device, baseline)
         reference_gradients(engine, batch, loss_fn, device, compared,  # raises ReferenceFailed if it fails
-                            examples=compared_examples(batch, None, compared_count))
+                            examples=compared_examples(batch, None))
 
     # The hooked forward is also the probe's training forward: buffers it changes and the loss's shape are checked
     # on it (a separate plain forward for them cost two of the probe's ~26 passes over the model).
@@ -271,7 +268,7 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, compar
         return stop()
     rows_before = [(use.module, _first_tensor(use.activation)) for use in uses]
     engine.probe_compared = set(compared)  # the other layers' clipped sums are not formed (none is compared)
-    chosen = compared_examples(batch, len(loss), compared_count)
+    chosen = compared_examples(batch, len(loss))
     weights = torch.zeros(len(loss), dtype=loss.dtype, device=loss.device)
     weights[sorted(chosen)] = 1
     try:

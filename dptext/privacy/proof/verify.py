@@ -222,9 +222,9 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     report.compared = sum(1 for module, rep in decided_by.items() if rep is module)
     cut = plan_cut(model, engine.tracked, decided_by, engine_hooks(engine)) if cut_stacks else None
 
-    def probe_batches(batches, compared_count: int = 2) -> None:
+    def probe_batches(batches) -> None:
         for batch, redraw in batches:
-            probe_one(engine, report, batch, loss_fn, device, redraw, decided_by, compared_count)
+            probe_one(engine, report, batch, loss_fn, device, redraw, decided_by)
 
     def draw(shapes_from: int, vocabulary=None) -> list:
         """The synthetic batches of ``shapes[shapes_from:]``, drawn with the model's vocabulary sizes cut to
@@ -240,8 +240,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
         with probe_precision(model, precision), drawn_zero_parameters(engine.params):
             if cut is None and rows is None:
                 return probe_batches(draw(0))
-            probe_batches(draw(0)[:1], compared_count=1)  # B ≠ T on the whole model: every check, at every depth
-            # (one compared example: the later shapes compare two, on the cut model)
+            probe_batches(draw(0)[:1])  # B ≠ T on the whole model: every check, at every depth
             first_shape = findings(report)
             later = draw(1, rows)
             vocabulary = rows if rows and all(ids_below(batch, rows.rows) for batch, _ in later) else None
