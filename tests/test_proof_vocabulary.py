@@ -199,3 +199,98 @@ def test_the_probe_of_the_suites_models_cuts_their_vocabulary():
     """The conftest's 16 rows are what every default-batch probe in the suite runs its second shape on."""
     model = llama()
     assert plan_vocabulary_cut(model, model.config.vocab_size) is not None
+
+
+class BatchCoupledBackward(torch.autograd.Function):
+    """Identity forward; a backward that divides the activation gradients by the batch's RMS (a batch-wide
+    statistic) or rolls them among examples 1.. (example 0 untouched)."""
+
+    @staticmethod
+    def forward(ctx, hidden, kind):
+        ctx.kind = kind
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.kind == "roll":
+            grad = grad.clone()
+            grad[1:] = grad[1:].roll(1, 0)
+            return grad, None
+        return grad / (grad.pow(2).mean().sqrt() + 1e-12), None
+
+
+class CoupledBlock(nn.Module):
+    def __init__(self, width, layer_idx, coupled, kind):
+        super().__init__()
+        self.layer_idx, self.coupled, self.kind = layer_idx, coupled, kind  # ``coupled``: the same list in every
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)  # block, as config lists are
+
+    def forward(self, hidden):
+        hidden = hidden + self.down(torch.tanh(self.up(hidden)))
+        return BatchCoupledBackward.apply(hidden, self.kind) if self.coupled[self.layer_idx] else hidden
+
+
+class CoupledAtDepth(nn.Module):
+    """Four equal blocks (the stack cut keeps the first); only the last couples the batch, in its backward."""
+
+    def __init__(self, kind, vocab=50, width=8, layers=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        coupled = [False] * (layers - 1) + [True]
+        self.layers = nn.ModuleList(CoupledBlock(width, i, coupled, kind) for i in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None):
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden)
+
+
+@pytest.mark.parametrize("kind", ["rms", "roll"])
+def test_a_backward_that_couples_the_batch_at_a_depth_the_cut_removes_is_refused(kind):
+    """Red team (session 24): with one example carrying gradient in the whole-model shape (tried, reverted), both
+    were accepted and training's clipped sums were off by 34-173%; two examples carry gradient there."""
+    with pytest.raises(UserError, match="refused layer"):
+        engine_for(CoupledAtDepth(kind).train()).verify()
+
+
+class NoTokenEmbeddings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.out = nn.Linear(6, 1)
+
+    def get_input_embeddings(self):  # what transformers' default does on a model without token embeddings
+        raise NotImplementedError("`get_input_embeddings` not auto-handled")
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x)[..., 0]
+
+
+def test_a_model_without_token_embeddings_is_probed_without_a_vocabulary_cut():
+    report = engine_for(NoTokenEmbeddings().train()).verify(
+        make_batch=lambda examples, positions, generator: {"x": torch.randn(examples, positions, 6,
+                                                                            generator=generator)},
+        loss_fn=lambda model, batch: model(batch["x"]).pow(2).sum(1))
+    assert {row.status for row in report.rows.values()} == {"exact"}
+
+
+def test_the_users_own_gradients_on_the_cut_matrices_are_given_back():
+    model = llama()
+    engine = engine_for(model)
+    engine.detach()
+    own = torch.ones_like(model.lm_head.weight)
+    model.lm_head.weight.grad = own
+    report = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
+                           max_grad_norm=0.05, expected_batch_size=4, dataset_size=100, verify=False).verify()
+    assert {row.status for row in report.rows.values()} == {"exact"}
+    assert model.lm_head.weight.grad is own

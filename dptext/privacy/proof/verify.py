@@ -39,7 +39,8 @@ from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
-from dptext.privacy.proof.vocabulary import ids_below, plan_vocabulary_cut, vocabulary_applied
+from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
+                                             vocabulary_applied)
 from dptext.privacy.sharding.sharded import is_sharded
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
@@ -101,12 +102,6 @@ class ProbeReport:
             raise UserError("The start-up probe compared no layer with brute force (no trained layer received a "
                             "gradient on its synthetic batch), so it proves nothing; give a probe loss that reaches "
                             "the trained layers.")
-
-
-def token_vocabulary(model: nn.Module) -> int | None:
-    """The model's vocabulary size (its config's, else its input embedding's), or None."""
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model
-    return getattr(getattr(model, "config", None), "vocab_size", None) or getattr(embeddings, "num_embeddings", None)
 
 
 def synthetic_token_batch(model: nn.Module) -> Callable[[int, int, torch.Generator], dict[str, Tensor]]:
@@ -267,17 +262,19 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
         except ReferenceFailed as error:  # the brute-force reference itself fails: nothing proves the engine
             raise UserError(REFERENCE_FAILED.format(error)) from error
 
-    precision = probe_dtype(model, device) if dtype == "auto" else dtype
-    try:
+    def run_in_precision(precision) -> None:
         if precision is None:
+            return run_or_refuse(None)
+        try:
+            run_probes(precision)
+        except (RuntimeError, TypeError) as error:  # code that hard-wires a dtype: probe in the model's own
+            reset(report, engine)
+            report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
             run_or_refuse(None)
-        else:
-            try:
-                run_probes(precision)
-            except (RuntimeError, TypeError) as error:  # code that hard-wires a dtype: probe in the model's own
-                reset(report, engine)
-                report.notes.append(f"probed in the model's dtype: fp64 failed ({type(error).__name__})")
-                run_or_refuse(None)
+
+    try:
+        with kept_gradients(rows):
+            run_in_precision(probe_dtype(model, device) if dtype == "auto" else dtype)
     except (ValueError, KeyError) as error:  # the synthetic batch lacks an input the model needs (T5's decoder ids)
         raise UserError(f"The start-up probe could not run this model on its synthetic batch ({type(error).__name__} "
                         "in the forward); pass make_batch and loss_fn that fit the model to engine.verify(), or use "

@@ -46,15 +46,36 @@ def _matrix_width(module: nn.Module, vocab: int) -> int | None:
     return None
 
 
+def _matrix(model: nn.Module, getter: str) -> nn.Module | None:
+    """``model.get_input_embeddings()`` or ``get_output_embeddings()``; None where the model has none (transformers'
+    default raises NotImplementedError on models without token embeddings: Wav2Vec2, DecisionTransformer)."""
+    try:
+        return getattr(model, getter)() if hasattr(model, getter) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def token_vocabulary(model: nn.Module) -> int | None:
+    """The model's vocabulary size (its config's, else its input embedding's), or None."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if size:
+        return size
+    try:
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model
+    except NotImplementedError:  # transformers' default on a model without token embeddings
+        return None
+    return getattr(embeddings, "num_embeddings", None)
+
+
 def plan_vocabulary_cut(model: nn.Module, vocab: int | None, rows: int | None = None) -> VocabularyCut | None:
     """The model's input embedding and output head of ``vocab`` rows cut to ``rows`` (``KEPT_ROWS``, at least
     twice their width); None when there is no such matrix, the vocabulary is not much larger, a padding row lies
     beyond the cut, or a module other than an embedding or a linear layer holds one of the cut parameters."""
     if not vocab:
         return None
-    matrices = [module for module in (getattr(model, name)() for name in ("get_input_embeddings",
-                                                                         "get_output_embeddings")
-                                      if hasattr(model, name)) if module is not None]
+    matrices = [module for module in (_matrix(model, name) for name in ("get_input_embeddings",
+                                                                        "get_output_embeddings"))
+                if module is not None]
     widths = [_matrix_width(module, vocab) for module in matrices]
     matrices = [module for module, width in zip(matrices, widths) if width is not None]
     if not matrices:
@@ -98,8 +119,9 @@ def ids_below(batch: dict[str, Any], rows: int) -> bool:
 
 @contextmanager
 def vocabulary_applied(cut: VocabularyCut | None):
-    """The model with its vocabulary matrices cut (the same parameter objects), restored after; gradients formed
-    on the cut matrices are dropped, so none of the wrong shape survives."""
+    """The model with its vocabulary matrices cut (the same parameter objects), restored after. The cut matrices
+    hold no gradient inside (one of the whole shape would not fit) and none after (one formed on the cut matrix has
+    the wrong shape); ``kept_gradients`` gives the user's own back once the probe is done."""
     if cut is None:
         yield
         return
@@ -107,13 +129,27 @@ def vocabulary_applied(cut: VocabularyCut | None):
     sizes = [getattr(holder, attribute) for holder, attribute in cut.sizes]
     try:
         for param, whole in zip(cut.params, data):
+            param.grad = None
             param.data = whole[:cut.rows]
         for holder, attribute in cut.sizes:
             setattr(holder, attribute, cut.rows)
         yield
-    finally:
+    finally:  # nothing here can fail, so the model never stays cut
+        for (holder, attribute), size in zip(cut.sizes, sizes):
+            setattr(holder, attribute, size)
         for param, whole in zip(cut.params, data):
             param.grad = None
             param.data = whole
-        for (holder, attribute), size in zip(cut.sizes, sizes):
-            setattr(holder, attribute, size)
+
+
+@contextmanager
+def kept_gradients(cut: VocabularyCut | None):
+    """The gradients the cut matrices held before the probe, given back after it (outside the probe's change of
+    precision, so that they fit the parameters again)."""
+    grads = [(param, param.grad) for param in cut.params] if cut else []
+    try:
+        yield
+    finally:
+        for param, grad in grads:
+            if grad is not None and param.grad is None and grad.shape == param.shape and grad.dtype == param.dtype:
+                param.grad = grad
