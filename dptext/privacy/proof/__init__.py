@@ -5,6 +5,8 @@ and, at every step, that nothing it did not see has changed since (docs/privacy_
 - ``patterns``: use patterns — which tracked layers share one representative's numeric verdict, so the proof costs
   about one training step at any depth ("What the proof covers").
 - ``probe_checks``: the probe's checks, one synthetic batch at a time (loss and row independence, clipped sums).
+- ``stack``, ``vocabulary``: the second probe shape on the block stacks cut after their last block that differs and
+  on the first rows of the vocabulary (the first shape runs on the whole model).
 - ``in_place``, ``outside_reads``: in-place changes and reads of tracked parameters outside their modules.
 - ``step_checks``: the checks the engine makes at every step (the plan still holds, no foreign backward or hook).
 - ``edp_probe``: the same proof for eDP-SGD's per-slot clipping.
