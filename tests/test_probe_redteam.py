@@ -232,3 +232,22 @@ def test_evaluation_gives_each_module_its_own_flag_back():
     with evaluating(model):
         assert not model.training and not model.head.training
     assert model.training and model.head.training and not model.bn.training
+
+
+def test_a_model_that_replaces_its_own_modules_in_the_probes_forward_is_refused_in_one_sentence():
+    """Red team (session 24): BigBird swaps its block-sparse attention for full attention on short sequences, in
+    the probe's forward; restoring the train/eval flags then failed with a bare ValueError."""
+    import transformers
+
+    def bigbird(attention_type):
+        config = transformers.BigBirdConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=64, max_position_embeddings=128, block_size=2,
+                                            num_random_blocks=1, attention_type=attention_type)
+        model = transformers.BigBirdForMaskedLM(config).train()
+        return PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
+                             max_grad_norm=0.05, expected_batch_size=4, dataset_size=100, verify=False)
+
+    with pytest.raises(UserError, match="replaced some of its own modules"):
+        bigbird("block_sparse").verify()
+    report = bigbird("original_full").verify()
+    assert any(row.status == "exact" for row in report.rows.values())

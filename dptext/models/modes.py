@@ -17,9 +17,17 @@ def training_modes(model: nn.Module) -> tuple[bool, ...]:
     return tuple(module.training for module in model.modules())
 
 
+class ModulesChanged(ValueError):
+    """The model's modules are no longer the ones whose flags were read (its forward replaced some)."""
+
+
 def restore_modes(model: nn.Module, modes: tuple[bool, ...]) -> None:
-    """Put back the flags ``training_modes`` read from this model (the same modules, in the same order)."""
-    for module, training in zip(model.modules(), modes, strict=True):
+    """Put back the flags ``training_modes`` read from this model (the same modules, in the same order); a model
+    whose forward added or removed modules since is ``ModulesChanged``, before any flag is touched."""
+    modules = list(model.modules())
+    if len(modules) != len(modes):
+        raise ModulesChanged(f"the model has {len(modules)} modules, {len(modes)} when its flags were read")
+    for module, training in zip(modules, modes):
         module.training = training
 
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from dptext.allocator import release_freed_memory
 from dptext.errors import UserError
-from dptext.models.modes import restore_modes, training_modes
+from dptext.models.modes import ModulesChanged, restore_modes, training_modes
 from dptext.privacy.proof.adopt import proof_plan
 from dptext.privacy.proof.independence import with_row
 from dptext.privacy.proof.probe_checks import probe_one
@@ -280,10 +280,16 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
                         "in the forward); pass make_batch and loss_fn that fit the model to engine.verify(), or use "
                         "a task that builds its own probe batch.") from error
     finally:
-        restore_modes(model, report.modes)  # each module's own flag (a BatchNorm kept in eval mode stays so)
         engine.recorder.probing = False
         engine.zero_grad()
         release_freed_memory()  # the float64 copy of the model: several GB that training will not reuse
+        try:
+            restore_modes(model, report.modes)  # each module's own flag (a BatchNorm kept in eval mode stays so)
+        except ModulesChanged as error:  # BigBird swaps its attention for short sequences
+            raise UserError("The model replaced some of its own modules during the start-up probe's forward (an "
+                            "attention implementation chosen by sequence length), so the probe cannot prove the "
+                            "forward training runs; fix the model's choice (e.g. attention_type='original_full').") \
+                from error
     report.seconds = time.perf_counter() - start
     for row in report.rows.values():
         if row.status == "not reached":
