@@ -109,11 +109,12 @@ def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor], per_unit: bo
 
     The last thing a use's tensors are needed for (the norms and cross terms are known), so each use is released
     as soon as its sum is formed."""
-    def clipped_sum_of(use: Use) -> dict[str, Tensor]:
+    def coefficients_of(use: Use) -> dict[str, Tensor]:
         use_coef = {name: coef[use.module.get_parameter(name)] for name in use.names}
-        if per_unit:
-            use_coef = coefficients_per_row(use_coef, use.units)
-        return use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output, use_coef)
+        return coefficients_per_row(use_coef, use.units) if per_unit else use_coef
+
+    def clipped_sum_of(use: Use) -> dict[str, Tensor]:
+        return use.rule.clipped_sum(use.module, use.names, use.activation, use.grad_output, coefficients_of(use))
 
     if only is not None:
         kept = []
@@ -126,9 +127,8 @@ def clipped_sums(uses: list[Use], coef: dict[nn.Parameter, Tensor], per_unit: bo
     rows = _row_updates(uses)
     totals = _sum_per_parameter([use for use in uses if use not in rows], clipped_sum_of, release=True)
     for use, param in rows.items():  # after its parameter's other uses: added into their sum, in place
-        coef_of_use = coefficients_per_row({"weight": coef[param]}, use.units)["weight"] if per_unit else coef[param]
         totals[param] = use.rule.add_clipped_sum(totals[param], use.module, use.activation, use.grad_output,
-                                                 coef_of_use)
+                                                 coefficients_of(use)["weight"])
         use.release()
     return totals
 

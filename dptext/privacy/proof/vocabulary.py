@@ -58,13 +58,7 @@ def _matrix(model: nn.Module, getter: str) -> nn.Module | None:
 def token_vocabulary(model: nn.Module) -> int | None:
     """The model's vocabulary size (its config's, else its input embedding's), or None."""
     size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if size:
-        return size
-    try:
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model
-    except NotImplementedError:  # transformers' default on a model without token embeddings
-        return None
-    return getattr(embeddings, "num_embeddings", None)
+    return size or getattr(_matrix(model, "get_input_embeddings") or model, "num_embeddings", None)
 
 
 def plan_vocabulary_cut(model: nn.Module, vocab: int | None, rows: int | None = None) -> VocabularyCut | None:
@@ -73,14 +67,12 @@ def plan_vocabulary_cut(model: nn.Module, vocab: int | None, rows: int | None = 
     beyond the cut, or a module other than an embedding or a linear layer holds one of the cut parameters."""
     if not vocab:
         return None
-    matrices = [module for module in (_matrix(model, name) for name in ("get_input_embeddings",
-                                                                        "get_output_embeddings"))
-                if module is not None]
-    widths = [_matrix_width(module, vocab) for module in matrices]
-    matrices = [module for module, width in zip(matrices, widths) if width is not None]
+    found = {module: _matrix_width(module, vocab) for module in (_matrix(model, "get_input_embeddings"),
+                                                                _matrix(model, "get_output_embeddings"))}
+    matrices = [module for module, width in found.items() if width is not None]
     if not matrices:
         return None
-    rows = max(rows or KEPT_ROWS, 2 * max(width for width in widths if width is not None))
+    rows = max(rows or KEPT_ROWS, 2 * max(found[module] for module in matrices))
     if vocab < 2 * rows:
         return None
     cut = VocabularyCut(rows)
