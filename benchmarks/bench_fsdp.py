@@ -6,7 +6,7 @@
 One invocation launches three ``torchrun`` jobs of N processes one after the other, each Adam steps on the same
 random tokens (expected batch ``--batch`` split over the ranks, sequences of ``--length`` tokens): non-private
 FSDP2 (``fully_shard`` per decoder layer and at the root), DP-Adam book-keeping sharded the same way (σ = 1, C = 1,
-with the default start-up probe on the whole model before ``fully_shard``, as ``dptext finetune`` runs it), and DP
+with the default start-up probe on the sharded model, every rank together, as ``dptext finetune`` runs it), and DP
 with every rank holding the whole model (``train.sharding: none``). Per rank it measures the bytes of parameters +
 gradients + Adam state held after a step (local shards); the peak resident memory above the process's memory before
 the model was built (libraries, process group) while loading, while probing and during the timed steps; the probe's
@@ -74,8 +74,9 @@ class PeakRss:
 
 
 def worker(args) -> None:
-    """One rank of one job: the default start-up probe (DP only: on the whole model, before ``fully_shard``, as
-    ``dptext finetune`` runs it), then a few steps on random tokens (public, synthetic); this rank's numbers."""
+    """One rank of one job: the default start-up probe (DP only: by the engine on the model as it trains, sharded
+    under FSDP2, as ``dptext finetune`` runs it), then a few steps on random tokens (public, synthetic); this
+    rank's numbers."""
     from dptext.finetune.distributed import current, release
     from dptext.finetune.sharding import held_bytes, shard_model
     from dptext.privacy import PrivacyEngine, causal_lm_loss
@@ -90,26 +91,19 @@ def worker(args) -> None:
         model.train()
         ctx.broadcast_parameters(model)
     probe_peak, probe_seconds = 0, 0.0
-    if private:  # the default proof, before sharding (dptext.finetune.sharding.prove_then_shard)
-        with PeakRss() as proving:
-            start = time.perf_counter()
-            probe = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
-                                  max_grad_norm=1.0, expected_batch_size=args.batch, dataset_size=1000,
-                                  verify=False)
-            probe.verify()
-            probe.detach()
-            del probe
-            probe_seconds = time.perf_counter() - start
-        probe_peak = proving.peak - baseline
     if ctx.sharded:
         shard_model(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     engine = None
-    if private:
+    if private:  # the default proof, by the engine itself: sharded, every rank together, under FSDP2
         engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0,
                                expected_batch_size=args.batch, dataset_size=1000, distributed=ctx, seed=0,
                                verify=False)
-        engine.verified = True  # the probe above ran on the same modules (mark_verified in finetune)
+        with PeakRss() as proving:
+            start = time.perf_counter()
+            engine.verify()
+            probe_seconds = time.perf_counter() - start
+        probe_peak = proving.peak - baseline
     local = args.batch // ctx.world_size
     generator = torch.Generator().manual_seed(ctx.rank)
     ids = torch.randint(1, model.config.vocab_size, (local, args.length), generator=generator).to(device)

@@ -101,16 +101,6 @@ def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     row = {"mode": mode, "layers": layers, "parameters": parameters}
     private = mode.startswith("dp")
-    if private and ctx is not None:  # the default proof on the whole model by rank 0, then fully_shard (as
-        from dptext.finetune.sharding import on_first_rank  # finetune's prove_then_shard)
-
-        def proof() -> None:
-            probe = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
-                                  max_grad_norm=1.0, expected_batch_size=BATCH, dataset_size=1000, verify=False)
-            prove(probe, row, device)
-            probe.detach()
-
-        on_first_rank(proof)
     if ctx is not None:
         from dptext.finetune.sharding import shard_model
 
@@ -119,11 +109,8 @@ def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
     engine = None
     if private:
         engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=BATCH,
-                               dataset_size=1000, distributed=ctx, verify=ctx is None)
-        if ctx is None:
-            prove(engine, row, device)
-        else:
-            engine.verified = True  # proven above on the same modules (finetune's mark_verified)
+                               dataset_size=1000, distributed=ctx)
+        prove(engine, row, device)  # under FSDP2 on the sharded model, every rank together (proof.sharded_probe)
 
     def step() -> float:
         start = time.perf_counter()

@@ -14,7 +14,8 @@ from torch.nn.modules import module as torch_module
 from dptext.errors import UserError
 from dptext.models import load_model
 from dptext.privacy import PrivacyEngine, causal_lm_loss
-from dptext.privacy.proof.verify import output_functional_loss, probe
+from dptext.privacy.proof.verify import probe
+from dptext.privacy.proof.synthetic import output_functional_loss
 
 
 def tiny_llama():

@@ -166,3 +166,19 @@ def test_sharded_ghost_is_accepted_and_refused_only_where_fsdp2_cannot_sum(share
     monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
     with pytest.raises(UserError, match="FSDP2 has no set_force_sum_reduction_for_comms"):
         check_sharding(recipe, 2, probe_now=True)
+
+
+@pytest.mark.parametrize("precision, before", [("fp32", False), ("bf16", True)])
+def test_the_proof_runs_sharded_on_fp32_weights_and_before_fully_shard_on_bf16_ones(precision, before,
+                                                                                     shared_data, tmp_path):
+    # fp32: the engine on the sharded model proves itself, every rank together (proof.sharded_probe); a bf16
+    # policy gathers bf16 weights, whose rounding the sharded comparison would carry: rank 0 proves first
+    import torch
+
+    from dptext.finetune.sharding import proven_before_sharding
+
+    (tmp_path / "tiny.yaml").write_text(recipe_text(shared_data))
+    recipe = config.load_recipe(tmp_path / "tiny.yaml", [f"train.precision={precision}"])
+    assert proven_before_sharding(recipe, torch.device("cpu")) is before
+    unverified = config.load_recipe(tmp_path / "tiny.yaml", [f"train.precision={precision}", "privacy.verify=false"])
+    assert proven_before_sharding(unverified, torch.device("cpu")) is False

@@ -17,7 +17,7 @@ from dptext.privacy.clipping import hybrid
 from dptext.privacy.clipping.long_sequences import ghost_treated, stored_bytes
 from dptext.privacy.norms import outer
 from dptext.privacy.norms.outer import OuterForm, inner_product, left_gram
-from dptext.privacy.proof.verify import output_functional_loss, synthetic_token_batch
+from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_token_batch
 from test_privacy_engine import MODELS, check_against_brute_force, masked_batch
 from test_privacy_failclosed import (Tiny, add_to_output_slice, assert_sensitivity, brute_force_clipped_sum,
                                      make_engine, mul_inplace, relu_inplace)

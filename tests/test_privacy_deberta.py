@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from arch_cases import BY_NAME, NO_DROPOUT, build
-from dptext.privacy.proof.verify import synthetic_token_batch
+from dptext.privacy.proof.synthetic import synthetic_token_batch
 from test_privacy_failclosed import CASES, assert_sensitivity, make_engine
 
 

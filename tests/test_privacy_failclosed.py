@@ -21,7 +21,7 @@ from dptext.errors import UserError
 from dptext.models import load_model
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.proof.model_check import check_model
-from dptext.privacy.proof.verify import output_functional_loss, synthetic_token_batch
+from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_token_batch
 
 CASES = [(mode, layout) for mode in ("bookkeeping", "ghost", "per_sample") for layout in ("all_layer", "per_layer")
          if not (mode == "ghost" and layout == "per_layer")]

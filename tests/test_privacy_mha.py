@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dptext.errors import UserError
-from dptext.privacy.proof.verify import output_functional_loss, synthetic_token_batch
+from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_token_batch
 from test_privacy_failclosed import CASES, CLIP, VOCAB, brute_force_clipped_sum, make_engine, verify_outcome
 
 WIDTH = 8

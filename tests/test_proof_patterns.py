@@ -18,7 +18,7 @@ from dptext.models import load_model
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.proof import verify as verify_module
 from dptext.privacy.proof.patterns import pattern_name, representatives
-from dptext.privacy.proof.verify import output_functional_loss, synthetic_token_batch
+from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_token_batch
 
 CLIP = 0.05
 

@@ -20,7 +20,7 @@ from dptext.accounting.blt_strategy import optimize_blt
 from dptext.accounting.mf_strategy import optimize_banded
 from dptext.errors import UserError
 from dptext.finetune.seeds import privacy_seed
-from dptext.finetune.sharding import mark_verified
+from dptext.finetune.sharding import mark_verified, proven_before_sharding
 from dptext.finetune.task_probe import verify_with_task
 from dptext.privacy.blt_engine import POISSON_REFUSED as BLT_REFUSED
 from dptext.privacy.blt_engine import BLTEngine
@@ -77,8 +77,8 @@ def build_banded_mf(training: Any, dist: Any, probe_now: bool = True) -> None:
         seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
         ledger=training.ledger.record_step, distributed=dist, verify=privacy.verify)
     training.ledger.mechanism = training.engine.mechanism()
-    if privacy.verify and probe_now and getattr(dist, "sharded", False):  # probed on the whole model before
-        mark_verified(training.engine)                                       # fully_shard (prove_then_shard)
+    if probe_now and getattr(dist, "sharded", False) and proven_before_sharding(recipe, training.device):
+        mark_verified(training.engine)  # probed on the whole model before fully_shard (bf16: prove_then_shard)
     elif privacy.verify and probe_now:
         verify_with_task(training.engine, training.task, training.model)
     training.sampler = training.engine.sampler(plan.steps)

@@ -23,7 +23,7 @@ from dptext.finetune.banded_mf import build_banded_mf
 from dptext.finetune.distributed import current
 from dptext.finetune.edp import build_edp
 from dptext.finetune.seeds import privacy_seed, seed_everything
-from dptext.finetune.sharding import check_sharding, mark_verified, prove_then_shard
+from dptext.finetune.sharding import check_sharding, mark_verified, proven_before_sharding, prove_then_shard
 from dptext.finetune.task_probe import verify_with_task
 from dptext.data.users import user_groups
 from dptext.finetune.user_level import check_user_level
@@ -198,7 +198,7 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
             ledger=training.ledger.record_step, distributed=dist, verify=privacy.verify,
             max_stored_bytes=privacy.max_stored_bytes,  # long sequences: the hybrid (privacy/clipping/hybrid.py)
             sequence_length=recipe.data.max_length if privacy.max_stored_bytes is not None else None)
-        if privacy.verify and probe_now and dist.sharded:  # the probe ran on the whole model before fully_shard
+        if probe_now and dist.sharded and proven_before_sharding(recipe, device):  # proven before fully_shard
             mark_verified(training.engine)
         elif privacy.verify and probe_now:
             verify_with_task(training.engine, task, model)

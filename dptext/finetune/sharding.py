@@ -1,11 +1,12 @@
 """FSDP2 sharding of a fine-tuning run (``train.sharding: fsdp`` under torchrun; docs/sharding.md).
 
-The model is wrapped with ``torch.distributed.fsdp.fully_shard``, each transformer block and then the root, after
-the start-up probe verified the engine on the whole model and before the optimizer and the engine are built on
-the sharded parameters (the privacy side: ``dptext.privacy.sharding.sharded``). Every rank must then run the same
-collectives in the same order, so each logical step runs the same number of micro-batches on every rank (the
-shorter ranks run empty ones), every rank evaluates, and checkpoints are written by every rank with
-``torch.distributed.checkpoint`` (``dptext.finetune.sharded_checkpoint``).
+The model is wrapped with ``torch.distributed.fsdp.fully_shard``, each transformer block and then the root, before
+the optimizer and the engine are built on the sharded parameters (the privacy side:
+``dptext.privacy.sharding.sharded``); the engine then proves itself on the sharded model, every rank together
+(``dptext.privacy.proof.sharded_probe``), except under a bf16 policy, proven on the whole model first. Every
+rank must then run the same collectives in the same order, so each logical step runs the same number of
+micro-batches on every rank (the shorter ranks run empty ones), every rank evaluates, and checkpoints are written
+by every rank with ``torch.distributed.checkpoint`` (``dptext.finetune.sharded_checkpoint``).
 """
 
 from __future__ import annotations
@@ -75,14 +76,22 @@ def check_sharding(recipe: Any, world_size: int, probe_now: bool) -> None:
         raise UserError("dptext distill does not support train.sharding=fsdp yet; set train.sharding=none.")
 
 
-def prove_then_shard(training_recipe: Any, task: Any, model: nn.Module, device: torch.device) -> nn.Module:
-    """The start-up probe on the whole model (brute-force per-example autograd needs unsharded parameters), then
-    ``fully_shard``. The probe checks the rules of each layer on this model; sharding changes where the weights
-    live between passes, not what the hooks record (FSDP2 all-gathers them for every pass; tests/test_fsdp.py).
-    Every rank builds the same model from the same recipe, so the first rank proves it for all (``on_first_rank``):
-    the others hold no probe state and wait, and all of them refuse in the same sentence."""
+def proven_before_sharding(training_recipe: Any, device: torch.device) -> bool:
+    """Whether the start-up probe runs on the whole model before ``fully_shard`` (``prove_then_shard``): with a
+    bf16 policy only, whose gathered weights would round the sharded probe's comparison; with fp32 weights the
+    engine on the sharded model proves itself, every rank together (``dptext.privacy.proof.sharded_probe``)."""
     privacy = training_recipe.privacy
-    if privacy.enabled and privacy.verify:
+    return privacy.enabled and privacy.verify and mixed_precision(training_recipe.train.precision, device) is not None
+
+
+def prove_then_shard(training_recipe: Any, task: Any, model: nn.Module, device: torch.device) -> nn.Module:
+    """``fully_shard``, after the start-up probe on the whole model where the run's policy gathers the weights in
+    bf16 (``proven_before_sharding``). That probe checks the rules of each layer on this model; sharding changes
+    where the weights live between passes, not what the hooks record (FSDP2 all-gathers them for every pass;
+    tests/test_fsdp.py). Every rank builds the same model from the same recipe, so the first rank proves it for all
+    (``on_first_rank``): the others hold no probe state and wait, and all of them refuse in the same sentence."""
+    privacy = training_recipe.privacy
+    if proven_before_sharding(training_recipe, device):
         def prove() -> None:
             trained = [p for p in model.parameters() if p.requires_grad]
             probe = PrivacyEngine(model, torch.optim.SGD(trained, lr=0.0), noise_multiplier=0.0,
@@ -121,7 +130,8 @@ def on_first_rank(prove) -> None:
 
 
 def mark_verified(engine: Any) -> None:
-    """The engine on the sharded model takes the probe's verdict on the same modules (``prove_then_shard``)."""
+    """The engine on the sharded model takes the verdict of the probe on the same modules before ``fully_shard``
+    (``prove_then_shard`` with a bf16 policy)."""
     engine.verified, engine.proven_modes = True, training_modes(engine.model)  # the flags it was proven in
     engine.recorder.verified = set(engine.tracked)
 

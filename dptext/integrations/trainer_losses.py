@@ -24,7 +24,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 from dptext.errors import UserError
 from dptext.privacy import per_example_loss
 from dptext.tasks.probe_batches import language_model_batch, random_labels, vocab_size
-from dptext.privacy.proof.verify import random_token_batch
+from dptext.privacy.proof.synthetic import random_token_batch
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], Tensor]
 BatchMaker = Callable[[int, int, torch.Generator], dict[str, Tensor]]

@@ -231,7 +231,7 @@ class PrivacyEngine:
 
     def clipped_grads(self) -> dict[nn.Parameter, Tensor]:
         """The clipped sums accumulated so far in this logical batch, before noise (for tests and debugging)."""
-        return dict(self.dp_optimizer.summed)
+        return self.dp_optimizer.accumulated()
 
     # ------------------------------------------------------------------ sampling and accounting
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from dptext.errors import UserError
-from dptext.privacy.proof.verify import random_token_batch as token_batch
+from dptext.privacy.proof.synthetic import random_token_batch as token_batch
 from dptext.tasks.encoding import IGNORE_INDEX
 
 

@@ -65,6 +65,7 @@ def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = No
             norms_sq = clipping.norm_sq_per_parameter(uses, units)
             coef, norms = coefficients(engine, norms_sq)
             if _sharded(engine):
+                engine.last_norms_sq = norms_sq if engine.recorder.probing else None
                 reduce_bookkeeping(engine, uses, coef, units, norms, count)
                 return norms
             # the probe compares only its representatives' sums (proof.patterns): the others are not formed
@@ -84,7 +85,7 @@ def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = No
 def reduce_bookkeeping(engine, uses: list, coef, units: UnitIndex | None, norms, count: int) -> None:
     """FSDP2, book-keeping: the clipped sums formed and reduce-scattered a chunk of layers at a time
     (``sharding.row_reduce``), so no full-size sum is held; the bound on them is checked at the step, over every
-    rank's rows (the norms are checked here). The probe never runs on a sharded model (``proof.verify``)."""
+    rank's rows (the norms are checked here)."""
     check_invariant(engine, {}, norms, count)
     by_param: dict = {}
     for use in uses:

@@ -229,6 +229,10 @@ class DPOptimizer:
         self.summed = {}
         self.examples_seen = 0
 
+    def accumulated(self) -> dict[nn.Parameter, Tensor]:
+        """The clipped sums accumulated so far in this logical batch, before noise."""
+        return dict(self.summed)
+
     def release(self) -> None:
         """Undo what this optimizer changed outside itself (``engine.detach``); nothing here."""
 

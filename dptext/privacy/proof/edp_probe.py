@@ -25,10 +25,11 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 from dptext.privacy.clipping.sums import STABILITY
-from dptext.privacy.proof.probe_checks import BUFFER_CHANGED, buffer_snapshot, changed_buffer
+from dptext.privacy.proof.buffers import BUFFER_CHANGED, buffer_snapshot, changed_buffer
 from dptext.privacy.proof.reference import same_randomness
 from dptext.privacy.proof.probe_model import probe_precision
-from dptext.privacy.proof.verify import PROBE_SHAPES, output_functional_loss, synthetic_token_batch
+from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_token_batch
+from dptext.privacy.proof.verify import PROBE_SHAPES
 
 RTOL = 1e-4  # the engine clips in fp32; a rewritten or uncollected gradient is off by far more
 

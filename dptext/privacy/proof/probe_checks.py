@@ -18,8 +18,10 @@ from torch.overrides import TorchFunctionMode
 
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
+from dptext.privacy.proof.buffers import BUFFER_CHANGED, buffer_snapshot, changed_buffer
 from dptext.privacy.proof.independence import (_first_tensor, check_loss_independence, check_redrawn_examples,
                                                plain_loss, same_values)
+from dptext.privacy.proof.sharded_probe import planned, view_of
 from dptext.privacy.proof.reference import (Reference, reference_gradients, same_randomness, squared_distance,
                                             squared_norm)
 
@@ -51,9 +53,12 @@ def engine_forward(engine, report, batch, loss_fn, device):
     """The loss with the engine's hooks and the outside-read detector; returns (loss, uses) or None if refused."""
     recorder = engine.recorder
     owners: dict[int, set[nn.Module]] = {}
+    view = view_of(engine)
     for module, (_, names) in engine.tracked.items():
         for name in names:
-            owners.setdefault(id(module.get_parameter(name)), set()).add(module)
+            param = planned(engine, module, name)
+            for read in (param, view.target(param)) if view is not None else (param,):  # a shard and what the
+                owners.setdefault(id(read), set()).add(module)  # layers compute with under FSDP2
     reads = ParameterReads(owners)
     def enter(module, args) -> None:
         reads.stack.append(module)
@@ -89,7 +94,8 @@ def engine_forward(engine, report, batch, loss_fn, device):
             report.refuse(module, "broadcasting its batch-1 input to the batch changes its output")
     for module, (_, names) in engine.tracked.items():
         for name in names:
-            if id(module.get_parameter(name)) in reads.outside:
+            param = planned(engine, module, name)
+            if id(param) in reads.outside or (view is not None and id(view.target(param)) in reads.outside):
                 report.refuse(module, f"its parameter '{name}' is also read outside the module (a functional use "
                                       "or a second module), a path its rule does not see")
     uses = list(recorder.uses)
@@ -110,7 +116,7 @@ def _broadcasts_to(alone: Any, output: Tensor) -> bool:
 
 
 def _owners_of(engine, param) -> list[nn.Module]:
-    return [m for m, (_, names) in engine.tracked.items() if any(m.get_parameter(n) is param for n in names)]
+    return [m for m, (_, names) in engine.tracked.items() if any(planned(engine, m, n) is param for n in names)]
 
 
 def compare(engine, report, reference: Reference, norms_sq, sums) -> None:
@@ -132,23 +138,35 @@ def compare(engine, report, reference: Reference, norms_sq, sums) -> None:
         elif bool(((got.double() - ref_norms[param]).abs() > RTOL * ref_norms[param] + floor).any()):
             norm_failures.append((param, "its per-example gradient norms" + DIFFER))
     sum_failures = []
-    for param, expected_sum in zip(params if not norm_failures else [], reference.sums):
-        got_sum = sums.get(param)
-        if got_sum is not None and got_sum.shape != expected_sum.shape:
+    view = view_of(engine)  # sharded: every rank takes every sum's collective, whatever its norms said
+    for param, expected_sum in zip(params if not norm_failures or view is not None else [], reference.sums):
+        error = sum_error(view, sums.get(param), expected_sum, param)
+        if error is None or error > RTOL * float(squared_norm(expected_sum)) ** 0.5 + 1e-6 * engine.max_grad_norm:
             sum_failures.append((param, "its clipped sums" + DIFFER))
-            continue
-        missing = got_sum is None
-        error = float(squared_norm(expected_sum) if missing else squared_distance(got_sum, expected_sum)) ** 0.5
-        if error > RTOL * float(squared_norm(expected_sum)) ** 0.5 + 1e-6 * engine.max_grad_norm:
-            sum_failures.append((param, "its clipped sums" + DIFFER))
+    sum_failures = sum_failures if not norm_failures else []
     for param, what in norm_failures + sum_failures:
         for module in _owners_of(engine, param):
             report.refuse(module, what)
     for module in engine.tracked:
         if report.rows[module].status == "not reached" and any(
-                float(whole[module.get_parameter(n)].max()) > floor for n in engine.tracked[module][1]
-                if module.get_parameter(n) in whole):
+                float(whole[planned(engine, module, n)].max()) > floor for n in engine.tracked[module][1]
+                if planned(engine, module, n) in whole):
             report.rows[module].status = "exact"
+
+
+def sum_error(view, got: Tensor | None, expected: Tensor, param: Tensor) -> float | None:
+    """‖engine's clipped sum − reference's‖ (None: not of the same shape). Sharded: the engine's sum is this
+    rank's rows of world_size × the reference's (every rank ran the batch), compared with the same rows, and the
+    squared differences are summed over the ranks."""
+    if view is not None:
+        expected = view.rows(expected, param)
+        got = None if got is None else got / view.world_size
+    shape_differs = got is not None and got.shape != expected.shape
+    distance_sq = squared_norm(expected) if got is None or shape_differs else squared_distance(got, expected)
+    if view is not None:
+        distance_sq = view.total(torch.cat([distance_sq, distance_sq.new_ones(1) * shape_differs]))
+        shape_differs = bool(distance_sq[1] > 0)
+    return None if shape_differs else float(distance_sq[0]) ** 0.5
 
 
 def share_verdicts(engine, report, decided_by: dict[nn.Module, nn.Module]) -> None:
@@ -163,44 +181,6 @@ def share_verdicts(engine, report, decided_by: dict[nn.Module, nn.Module]) -> No
             row.status = "not reached"  # reached here only: its representative's comparison says nothing of it
             report.refuse(module, "the probe compared no layer of its use pattern with brute force (its "
                                   f"representative '{decider.name}' received no gradient)")
-
-
-def buffer_snapshot(model: nn.Module) -> dict[str, Any]:
-    """Every buffer by value, and every parameter by a fingerprint: running statistics kept in a frozen
-    ``nn.Parameter`` are in the state dict too. The fingerprint (``_fingerprint``) reads no copy of the model."""
-    state: dict[str, Any] = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    state.update({PARAMETER + name: _fingerprint(param) for name, param in model.named_parameters()})
-    return state
-
-
-PARAMETER = "\0parameter:"  # a key no buffer name can take
-SAMPLED = 4096  # entries of each parameter summed for its fingerprint
-
-
-def _fingerprint(param: Tensor) -> tuple:
-    """What changes when a forward writes the parameter: its version counter (any in-place op on it or a
-    ``detach()`` view), where its data lives (``param.data = …``) and a fp64 sum of ``SAMPLED`` evenly spaced
-    entries (a write through ``param.data``, whose counter is separate; an update of every entry moves it)."""
-    flat = param.detach().reshape(-1)
-    sample = flat[::max(1, flat.numel() // SAMPLED)]
-    total = float(sample.double().sum()) if param.is_floating_point() else int(sample.sum())
-    return param._version, param.data_ptr(), total
-
-
-def changed_buffer(model: nn.Module, before: dict[str, Any]) -> str | None:
-    """The first buffer or parameter a training forward changed since ``before`` (running statistics), named as
-    "buffer 'x'" or "parameter 'x'", else None."""
-    for name, value in model.named_buffers():
-        if name not in before or value.shape != before[name].shape or not torch.equal(value, before[name]):
-            return f"buffer '{name}'"
-    for name, param in model.named_parameters():
-        if PARAMETER + name in before and _fingerprint(param) != before[PARAMETER + name]:
-            return f"parameter '{name}'"
-    return None
-
-
-BUFFER_CHANGED = ("{}: a training forward changes it (running statistics), so it is computed from the private "
-                  "batches and released with the model without noise; put that layer in eval mode or remove it")
 
 
 def loss_shape_problem(batch: dict[str, Any], loss: Tensor) -> str | None:
@@ -235,7 +215,7 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
     (``proof.patterns.representatives``). The engine's pass runs before the
     reference, whose all-layer coefficients need the engine's norms of the layers not compared; a reference that
     fails itself still speaks first (nothing can be proven then), so a check that stops early runs it too."""
-    compared = list(dict.fromkeys(module.get_parameter(name) for module, rep in decided_by.items() if rep is module
+    compared = list(dict.fromkeys(planned(engine, module, name) for module, rep in decided_by.items() if rep is module
                                   for name in engine.tracked[module][1]))
 
     def stop(loss_checked: bool = True) -> None:
@@ -248,12 +228,13 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
 
     # The hooked forward is also the probe's training forward: buffers it changes and the loss's shape are checked
     # on it (a separate plain forward for them cost two of the probe's ~26 passes over the model).
-    before = buffer_snapshot(engine.model)
+    shard_of = view_of(engine).shard_of if view_of(engine) is not None else None
+    before = buffer_snapshot(engine.model, shard_of)
     forward = engine_forward(engine, report, batch, loss_fn, device)
     if forward is None:
         return stop()
     loss, uses = forward
-    changed = changed_buffer(engine.model, before)
+    changed = changed_buffer(engine.model, before, shard_of)
     if changed is not None:
         report.state_problem = BUFFER_CHANGED.format(changed)
         engine.recorder.take_uses()

@@ -10,6 +10,8 @@ from torch import nn
 
 from dptext.errors import UserError
 from dptext.models.modes import training_modes
+from dptext.privacy.proof.sharded_probe import ShardedView, all_zero_on_every_rank
+from dptext.privacy.sharding.sharded import is_sharded
 
 
 @contextmanager
@@ -47,19 +49,30 @@ def drawn_zero_parameters(params: list[nn.Parameter]):
     saved = []
     generator = torch.Generator().manual_seed(20240602)
     for param in params:
-        if param.is_floating_point() and param.numel() and _all_zero(param.detach()):
+        if param.is_floating_point() and param.numel() and (
+                all_zero_on_every_rank(param, _all_zero) if is_sharded(param) else _all_zero(param.detach())):
             # a matrix at the usual init scale (1/√fan-in: LoRA's B over its rank); a vector (a bias, a gate) at
             # 0.02, the scale of a transformer's init: biases of 1 inflate the activations until the other layers'
             # gradients fall under the comparison's floor (BitFit's BERT: every value bias "not reached")
             scale = param.shape[-1] ** -0.5 if param.ndim > 1 else 0.02
             drawn = torch.randn(param.shape, generator=generator, dtype=torch.float64) * scale
+            if is_sharded(param):  # every rank draws the whole tensor alike and writes its own rows in place
+                rows = ShardedView({}, torch.distributed.get_rank(), torch.distributed.get_world_size())
+                with torch.no_grad():
+                    saved.append((param, param.to_local().clone()))
+                    param.to_local().copy_(rows.rows(drawn, param))
+                continue
             saved.append((param, param.data))
             param.data = drawn.to(device=param.device, dtype=param.dtype)
     try:
         yield
     finally:
         for param, data in saved:
-            param.data = data
+            if is_sharded(param):
+                with torch.no_grad():
+                    param.to_local().copy_(data)
+            else:
+                param.data = data
 
 
 def _all_zero(tensor: torch.Tensor) -> bool:

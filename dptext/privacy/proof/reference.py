@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.privacy.clipping import sums as clipping
+from dptext.privacy.proof.sharded_probe import view_of
 
 
 @contextmanager
@@ -59,11 +60,13 @@ class Reference:
     def __init__(self, engine, batch, loss_fn, device, params: list[nn.Parameter],
                  other_norms_sq: dict[nn.Parameter, Tensor] | None = None, examples: set[int] | None = None):
         params = list(params)
+        view = view_of(engine)  # sharded: differentiate what the layers compute with, the gathered parameters
+        targets = [view.target(p) for p in params] if view is not None else params
         others = other_norms_sq or {}
         squares: list[dict[nn.Parameter, Tensor]] = []
         self.params = params
         self.sums: list[Tensor] = []  # formed from the first compared example's gradient: no zero-filled copy
-        with requiring_grad(params):
+        with requiring_grad(list(dict.fromkeys(params + targets))):
             with engine.recorder.paused(), same_randomness(device):
                 loss = loss_fn(engine.model, batch)
             self.loss = loss.detach()
@@ -71,7 +74,7 @@ class Reference:
                 if examples is not None and i not in examples:  # weighted 0 in the engine's pass: its exact
                     squares.append({p: loss.new_zeros(1, dtype=torch.float64) for p in params})  # gradient is 0
                     continue
-                row = _example_gradient(loss[i], params)
+                row = _example_gradient(loss[i], targets)
                 norms = {p: squared_norm(g) for g, p in zip(row, params)}
                 if not all(bool(torch.isfinite(n)) for n in norms.values()):
                     raise ReferenceFailed("non-finite losses or gradients")
@@ -84,7 +87,8 @@ class Reference:
                     else:
                         self.sums[k].add_(g.to(self.sums[k].dtype), alpha=float(coef[p]))
                 squares.append(norms)
-        self.sums += [torch.zeros_like(p, dtype=reference_dtype(p)) for p in params[len(self.sums):]]
+        self.sums += [torch.zeros(t.shape, dtype=reference_dtype(p), device=t.device)  # (t: p's whole shape)
+                      for p, t in list(zip(params, targets))[len(self.sums):]]
         self.norms_sq = {p: torch.cat([each[p] for each in squares]) if squares else None for p in params}
         if not bool(torch.isfinite(self.loss).all()):
             raise ReferenceFailed("non-finite losses or gradients")

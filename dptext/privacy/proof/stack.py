@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from dptext.privacy.proof.patterns import _instance_code, instance_settings
-from dptext.privacy.proof.probe_checks import (BUFFER_CHANGED, buffer_snapshot, changed_buffer, engine_forward,
-                                               loss_shape_problem)
+from dptext.privacy.proof.buffers import BUFFER_CHANGED, buffer_snapshot, changed_buffer
+from dptext.privacy.proof.sharded_probe import view_of
+from dptext.privacy.proof.probe_checks import engine_forward, loss_shape_problem
 
 STACK_NAMES = frozenset({"layers", "layer", "h", "block", "blocks"})  # the attribute transformers keep their
 # repeated blocks under; a list named otherwise (``experts``: routed by index) is never cut
@@ -97,13 +98,14 @@ def applied(cut: Cut | None):
 def check_whole_forward(engine, report, batch, loss_fn, device) -> None:
     """One hooked forward of the whole model on ``batch``: what the recorder and the forward checks see per layer
     and per model (the module docstring); nothing is accumulated."""
-    before = buffer_snapshot(engine.model)
+    shard_of = view_of(engine).shard_of if view_of(engine) is not None else None
+    before = buffer_snapshot(engine.model, shard_of)
     forward = engine_forward(engine, report, batch, loss_fn, device)
     engine.recorder.take_uses()  # no backward follows
     if forward is None:
         return
     loss, _ = forward
-    changed = changed_buffer(engine.model, before)
+    changed = changed_buffer(engine.model, before, shard_of)
     if changed is not None and not report.state_problem:
         report.state_problem = BUFFER_CHANGED.format(changed)
     report.loss_problem = report.loss_problem or loss_shape_problem(batch, loss)

@@ -17,14 +17,15 @@ privacy. A ``PrivacyEngine`` runs it before the model's first training forward u
    loss and every other row of every recorded input must stay put (the loss is per example, rows are examples).
 Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first into one sentence. The first shape
 runs on the whole model; the second on each block stack cut after its last block that differs (``proof.stack``)
-and, with the default batch, on the first rows of the vocabulary (``proof.vocabulary``).
+and, with the default batch, on the first rows of the vocabulary (``proof.vocabulary``). On an FSDP2-sharded model
+every rank runs it together (``proof.sharded_probe``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,23 +34,20 @@ from dptext.allocator import release_freed_memory
 from dptext.errors import UserError
 from dptext.models.modes import ModulesChanged, restore_modes, training_modes
 from dptext.privacy.proof.adopt import proof_plan
-from dptext.privacy.proof.independence import with_row
 from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
+from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, gathered_dtype, sharded_view, view_of
+from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_batches, synthetic_token_batch
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
                                              vocabulary_applied)
-from dptext.privacy.sharding.sharded import is_sharded
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
                     "model's synthetic batch ({}; e.g. an input changed in place after a layer read it, or "
                     "an fp32-only mask), so nothing can prove the clipping exact; fix the model's forward or "
                     "freeze the layers involved.")
-SHARDED = ("The start-up probe needs each layer's whole weight and runs before fully_shard: prove the whole model "
-           "first (report = PrivacyEngine(model, ...).verify(), then engine.detach(), as `dptext finetune` does "
-           "with train.sharding=fsdp), then build the engine on the sharded model with verify=report.")
 FP64_PARAMETERS = 50_000_000  # up to this size the probe runs on an fp64 copy of the model (its peak: ~2 extra
 # fp64 model sizes, negligible here); above it, in the model's own precision with fp32 sums, so that the proof
 # costs about one training step's memory at any scale (docs/privacy_engine.md, "What the proof covers")
@@ -104,59 +102,6 @@ class ProbeReport:
                             "the trained layers.")
 
 
-def synthetic_token_batch(model: nn.Module) -> Callable[[int, int, torch.Generator], dict[str, Tensor]]:
-    """Random ids in [1, vocab) with right padding of unequal lengths (the first example is full length)."""
-    vocab = token_vocabulary(model)
-    if not vocab:
-        raise UserError("The start-up probe cannot tell this model's vocabulary size to build its synthetic batch; "
-                        "give PrivacyEngine(..., probe_batch=..., probe_loss=...) (or pass them to engine.verify()), "
-                        "or opt out with verify=False / privacy.verify=false (recorded as 'clipping not verified').")
-
-    def make_batch(examples: int, positions: int, generator: torch.Generator) -> dict[str, Tensor]:
-        return random_token_batch(token_vocabulary(model) or vocab, generator, examples, positions)  # read at each
-        # draw: under the probe's vocabulary cut (``proof.vocabulary``) the ids stay below it
-
-    return make_batch
-
-
-def random_token_batch(vocab: int, generator: torch.Generator, examples: int, positions: int) -> dict[str, Tensor]:
-    """Ids in [1, vocab), right-padded with 0 to unequal lengths; the first example is full length, so the shape
-    is (examples, positions) whatever the draw."""
-    ids = torch.randint(1, max(vocab, 2), (examples, positions), generator=generator)
-    lengths = torch.randint(max(1, positions // 2), positions + 1, (examples,), generator=generator)
-    lengths[0] = positions
-    mask = (torch.arange(positions)[None, :] < lengths[:, None]).long()
-    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
-
-
-def synthetic_batches(make_batch, examples: int, positions: int, number: int, device):
-    """The probe's batch of this shape and its ``redraw(j)``: the batch with example j's row of every tensor
-    taken from another synthetic batch of the same shape (to check that examples do not interact)."""
-    def draw(seed: int) -> dict[str, Tensor]:
-        fresh = make_batch(examples, positions, torch.Generator().manual_seed(seed))
-        return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in fresh.items()}
-
-    batch = draw(number)
-    return batch, lambda example: with_row(batch, draw(1000 * (number + 1) + example), example)
-
-
-def output_functional_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """A per-example loss that reaches every layer: a fixed random linear functional of each unpadded output."""
-    out = model(**batch)
-    hidden = getattr(out, "logits", None)
-    if hidden is None:
-        hidden = getattr(out, "last_hidden_state", None)
-    if hidden is None:
-        hidden = out[0] if isinstance(out, (tuple, list)) else out
-    generator = torch.Generator().manual_seed(hidden.shape[-1])  # the same weights whatever the batch holds
-    weights = torch.randn(hidden.shape[1:], generator=generator).to(hidden)
-    terms = (hidden * weights).reshape(hidden.shape[0], -1, hidden.shape[-1]).sum(dim=-1)
-    mask = batch.get("attention_mask")
-    if mask is not None and terms.shape[1] == mask.shape[1]:
-        terms = terms * mask.to(terms)
-    return terms.sum(dim=1)
-
-
 def probe_dtype(model: nn.Module, device: torch.device) -> torch.dtype | None:
     """fp64 for a model of up to ``FP64_PARAMETERS`` parameters, else None (its own precision); fp32 for a
     half-precision model (bf16 rounding would hide a wrong path)."""
@@ -202,10 +147,21 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     first shape on the whole model, run the others on each block stack cut after its last block that differs
     (``proof.stack``); False runs every shape on the whole model."""
     model = engine.model
-    if any(is_sharded(param) for param in engine.params):  # FSDP2's DTensor shards
-        raise UserError(SHARDED)
+    with sharded_view(engine, model) as view:  # FSDP2: every rank together, no cut (``proof.sharded_probe``)
+        if view is not None and gathered_dtype(model) in (torch.float16, torch.bfloat16):
+            raise UserError(HALF.format(gathered_dtype(model), gathered_dtype(model)))
+        report = _probe(engine, make_batch, loss_fn, shapes, None if view is not None else dtype, cut_stacks)
+        problem = agreed(report.table()) if view is not None else None
+    if problem is not None:
+        raise UserError(DISAGREE.format(problem))
+    return report
+
+
+def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) -> ProbeReport:
+    model = engine.model
     whole_vocabulary = getattr(loss_fn, "needs_whole_vocabulary", False)  # compares logits with another model's
-    rows = plan_vocabulary_cut(model, token_vocabulary(model)) if cut_stacks and not whole_vocabulary else None
+    rows = plan_vocabulary_cut(model, token_vocabulary(model)) if cut_stacks and not whole_vocabulary \
+        and view_of(engine) is None else None  # FSDP2 gathers the whole rows: no vocabulary cut
     make_batch = make_batch or synthetic_token_batch(model)
     loss_fn = loss_fn or output_functional_loss
     report = ProbeReport({m: LayerRow(engine.names[m], type(m).__name__, type(rule).__name__.removesuffix("Rule"))

@@ -195,6 +195,10 @@ class ShardedDPOptimizer(DPOptimizer):
         super().zero_grad()
         self.reduced = {}
 
+    def accumulated(self) -> dict[nn.Parameter, Tensor]:
+        """This rank's rows of Σ_ranks of the clipped sums accumulated so far (the start-up probe reads them)."""
+        return dict(self.reduced)
+
     def in_logical_batch(self) -> bool:
         return super().in_logical_batch() or bool(self.reduced)
 

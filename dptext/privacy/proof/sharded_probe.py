@@ -1,0 +1,154 @@
+"""The start-up probe on an FSDP2-sharded model: every rank runs it together, on the same synthetic batch, and no
+rank ever holds the whole model (docs/sharding.md, "The proof under sharding").
+
+FSDP2 all-gathers a unit's weights into the same unsharded ``nn.Parameter`` objects at every pass (it refills
+their storage and keeps the objects), so the probe learns them once, one unit unsharded at a time
+(``ShardedView.gathered``), and uses them where the one-process probe uses the parameters themselves: the
+outside-read detector follows them, and the brute-force reference differentiates each compared example's loss
+with respect to them (whole gradients of the compared layers only, one per use pattern). The engine's clipped
+sums come back reduce-scattered: each rank holds its rows of the sum over the ranks, and every rank ran the same
+batch, so they are world_size × the one-process sums; each rank compares its rows with the same rows of the
+reference, and one all-reduce of the squared differences gives every rank the same verdict. Every forward and
+backward is a collective here, so the probe's control flow must not depend on the rank: its inputs are the
+same everywhere, and the ranks' final reports are compared (a difference is refused).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dptext.privacy.sharding.row_reduce import local_rows
+from dptext.privacy.sharding.sharded import is_sharded
+
+DISAGREE = ("The start-up probe reached different verdicts on different ranks ({}), so it proves nothing about "
+            "the sharded model; check that every rank builds the same model and runs the same code.")
+HALF = ("The start-up probe on a sharded model runs in the precision FSDP2 gathers the weights in, and this "
+        "model's policy gathers them in {}, whose rounding hides a wrong path; prove it sharded with an fp32 "
+        "MixedPrecisionPolicy (as `dptext finetune` does) and train with the {} one.")
+
+
+@dataclass
+class ShardedView:
+    """What the probe needs of the sharding: the unsharded parameter FSDP2 hands the layers for each sharded one,
+    and this rank's place."""
+
+    gathered: dict[Tensor, nn.Parameter]
+    rank: int
+    world_size: int
+    planned: dict[tuple[nn.Module, str], Tensor] = field(default_factory=dict)  # (layer, name) -> its shard
+
+    @property
+    def shard_of(self) -> dict[int, Tensor]:
+        """id(unsharded parameter) -> its shard: what a module holds between a forward and its backward."""
+        return {id(whole): shard for shard, whole in self.gathered.items()}
+
+    def target(self, param: Tensor) -> Tensor:
+        """The tensor the layers compute with: the unsharded parameter of a shard, else ``param`` itself."""
+        return self.gathered.get(param, param)
+
+    def rows(self, whole: Tensor, param: Tensor) -> Tensor:
+        """This rank's rows of ``whole``, a tensor of ``param``'s unsharded shape (FSDP2's Shard(0) layout)."""
+        first, count = local_rows(param, self.rank, self.world_size)
+        return whole[first:first + count] if whole.ndim else whole
+
+    def total(self, value: Tensor) -> Tensor:
+        """``value`` summed over the ranks (a (1,) fp64 tensor)."""
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+
+def view_of(engine) -> ShardedView | None:
+    """The engine's sharded view while the probe runs on a sharded model, else None (one process)."""
+    return getattr(engine, "probe_view", None)
+
+
+@contextmanager
+def sharded_view(engine, model: nn.Module):
+    """``engine.probe_view`` for the probe's duration when the engine's parameters are FSDP2 shards."""
+    if not any(is_sharded(param) for param in engine.params):
+        yield None
+        return
+    gathered = gathered_parameters(model)  # every unit resharded after it: the names give the shards
+    planned = {(module, name): module.get_parameter(name) for module, (_, names) in engine.tracked.items()
+               for name in names}
+    engine.probe_view = ShardedView(gathered, dist.get_rank(), dist.get_world_size(), planned)
+    without_grad = [param for param in model.parameters() if param.grad is None]
+    try:
+        yield engine.probe_view
+    finally:
+        del engine.probe_view
+        for param in without_grad:  # FSDP2 reduce-scatters zeros into unused parameters' shards in ghost mode
+            param.grad = None       # (``set_reduce_scatter_unused_params``) after each reference backward
+        for unit in fsdp_units(model):  # a forward without backward leaves the root gathered: give its rows back
+            unit.reshard()
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` wrapped, the root first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def planned(engine, module: nn.Module, name: str) -> Tensor:
+    """The engine's parameter ``name`` of ``module``: under sharding the shard, whichever tensor FSDP2 has
+    registered on the module at the moment (the unsharded one between a forward and its backward)."""
+    view = view_of(engine)
+    return module.get_parameter(name) if view is None else view.planned[(module, name)]
+
+
+def gathered_parameters(model: nn.Module) -> dict[Tensor, nn.Parameter]:
+    """For each sharded parameter of ``model``, the unsharded ``nn.Parameter`` FSDP2 registers on its modules
+    during a pass: each FSDP2 unit is unsharded (root first: its lazy initialisation covers the others) and
+    resharded in turn, so at most one unit's weights are whole at a time. FSDP2 keeps these objects from one
+    pass to the next (``tests/test_fsdp_probe.py`` checks it), which is what lets the probe name them here."""
+    found: dict[Tensor, nn.Parameter] = {}
+    for unit in fsdp_units(model):
+        before = dict(unit.named_parameters(remove_duplicate=False))
+        unit.unshard()
+        try:
+            for name, param in unit.named_parameters(remove_duplicate=False):
+                shard = before.get(name)
+                if shard is not None and is_sharded(shard) and param is not shard and not is_sharded(param):
+                    found[shard] = param
+        finally:
+            unit.reshard()
+    return found
+
+
+def gathered_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype FSDP2's mixed-precision policy gathers the weights in (None: their own)."""
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        policy = getattr(state(), "_mp_policy", None) if state is not None else None
+        if policy is not None and policy.param_dtype is not None:
+            return policy.param_dtype
+    return None
+
+
+def all_zero_on_every_rank(param: Tensor, local_all_zero) -> bool:
+    """Whether a sharded parameter is zero on every rank (each sees only its rows): one all-reduce."""
+    flag = torch.tensor([1.0 if local_all_zero(param.to_local()) else 0.0], device=param.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The rows this rank holds of a sharded tensor; any other tensor itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def agreed(table: list[dict[str, str]]) -> str | None:
+    """None when every rank's probe report is ``table``'s, else the first difference in words."""
+    tables: list = [None] * dist.get_world_size()
+    dist.all_gather_object(tables, table)
+    for rank, other in enumerate(tables):
+        if other != table:
+            return f"rank {dist.get_rank()} and rank {rank}"
+    return None

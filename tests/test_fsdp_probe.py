@@ -1,0 +1,210 @@
+"""The start-up probe on an FSDP2-sharded model (``dptext.privacy.proof.sharded_probe``): 2 gloo processes.
+
+Every rank runs the probe together on the same synthetic batch and no rank gathers more than one FSDP2 unit at a
+time outside the passes. Checked against the one-process probe on the same unsharded model: the same verdict per
+layer in book-keeping, ghost and per_sample (a tied embedding and head, a layer of one row that rank 1 owns none
+of); the same refusals — a weight read outside its layer, examples that interact, a buffer a training forward
+changes; a clipped sum made wrong on rank 1's rows only is refused on both ranks; an all-zero gate is re-drawn
+for the probe (its shard written in place on each rank) and given back; the weights are untouched after it and no
+gradient is left; a bf16 gathering policy is refused in one sentence; ranks whose reports differ are refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from fsdp_models import N, VOCAB, FunctionalHead, TinyLM, full, losses, shard, token_ids
+from test_fsdp_redteam import moves, narrow_lm, outcome
+from two_ranks import run_two_ranks
+
+C = 0.5
+TIMEOUT = 240
+MODES = ("bookkeeping", "ghost", "per_sample")
+
+
+class Mixing(TinyLM):
+    """Each example's hidden state moved by the batch mean: examples interact (a per-example clipping bound no
+    longer holds)."""
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        hidden = hidden + hidden.mean(dim=0, keepdim=True)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden)
+
+
+class Counting(TinyLM):
+    """A buffer the training forward changes (a running statistic computed from the private batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, input_ids):
+        self.seen += input_ids.shape[0]
+        return super().forward(input_ids)
+
+
+class Gated(TinyLM):
+    """A gate that starts at zero (LoRA's B, a ReZero gate): below it no layer receives a gradient until it moves."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(6, 6, bias=False)
+        nn.init.zeros_(self.gate.weight)
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for block in self.blocks:
+            hidden = hidden + self.gate(block(hidden))
+        return self.head(hidden)
+
+
+BUILDERS = {"tiny": TinyLM, "narrow": None, "functional": FunctionalHead, "mixing": Mixing, "counting": Counting,
+            "gated": Gated}
+
+
+def build(kind: str) -> nn.Module:
+    if kind == "narrow":
+        return narrow_lm()
+    torch.manual_seed(0)
+    return BUILDERS[kind]().double()
+
+
+def make_batch(examples, positions, generator):
+    return {"input_ids": torch.randint(0, VOCAB, (examples, positions), generator=generator)}
+
+
+def probe_loss(model, batch):
+    return losses(model, batch["input_ids"])
+
+
+def engine_for(model, mode, ctx=None):
+    from dptext.privacy import PrivacyEngine
+
+    return PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=C,
+                         expected_batch_size=4, dataset_size=12, clipping_mode=mode, distributed=ctx, verify=False)
+
+
+def verdict(kind: str, mode: str, ctx=None) -> dict:
+    """The probe's statuses per layer (or its refusal), the weights' change and what it left behind."""
+    model = shard(build(kind), ctx)
+    before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    engine = engine_for(model, mode, ctx)
+    got = outcome(lambda: {row["name"]: row["status"] for row in engine.verify(make_batch, probe_loss).table()})
+    moved = max(float((full(p).detach() - before[name]).abs().max()) for name, p in model.named_parameters())
+    grads = [name for name, p in model.named_parameters() if p.grad is not None]
+    sharded_after = all(hasattr(p, "to_local") for p in model.parameters()) if ctx is not None else True
+    step = moves(model, engine, token_ids()[ctx.shard(N) if ctx is not None else slice(None)]) \
+        if got[0] == "ok" else None  # a noise-free step after the probe: nothing of the probe may be in it
+    engine.detach()
+    return {"outcome": got, "moved": moved, "grads": grads, "resharded": sharded_after, "step": step}
+
+
+def skewed_sum(ctx, mode: str) -> tuple:
+    """Rank 1's rows of one layer's clipped sum scaled by 1.01 after the reduction (``add_reduced``): rank 0's
+    rows are right, so only the all-reduce of the differences can see it."""
+    from dptext.privacy.sharding.sharded import ShardedDPOptimizer
+
+    model = shard(build("tiny"), ctx)
+    engine = engine_for(model, mode, ctx)
+    real = ShardedDPOptimizer.add_reduced
+
+    def skewed(self, rows, units):
+        if ctx.rank == 1:
+            rows = {p: r * 1.01 if p is engine.params[0] else r for p, r in rows.items()}
+        return real(self, rows, units)
+
+    ShardedDPOptimizer.add_reduced = skewed
+    try:
+        return outcome(lambda: engine.verify(make_batch, probe_loss))
+    finally:
+        ShardedDPOptimizer.add_reduced = real
+        engine.detach()
+
+
+def half_policy(ctx) -> tuple:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from dptext.finetune.sharding import shard_model
+
+    model = build("tiny")
+    shard_model(model, list(model.blocks), MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    return outcome(lambda: engine_for(model, "bookkeeping", ctx).verify(make_batch, probe_loss))
+
+
+def disagreement(ctx) -> str | None:
+    from dptext.privacy.proof.sharded_probe import agreed
+
+    return agreed([{"name": "fc", "status": "exact" if ctx.rank == 0 else "refused"}])
+
+
+def worker(out: Path) -> None:
+    from dptext.finetune.distributed import current, release
+
+    ctx = current("cpu")
+    ctx.sharded = True
+    results = {
+        "verdicts": {(kind, mode): verdict(kind, mode, ctx) for kind in BUILDERS for mode in MODES},
+        "skewed": {mode: skewed_sum(ctx, mode) for mode in ("bookkeeping", "per_sample", "ghost")},
+        "half": half_policy(ctx),
+        "disagree": disagreement(ctx),
+    }
+    torch.save(results, out / f"rank{ctx.rank}.pt")
+    release()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_two_ranks(__file__, tmp_path_factory.mktemp("ranks"), TIMEOUT)
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+@pytest.mark.parametrize("mode", MODES)
+def test_the_sharded_probe_reaches_the_one_process_verdict(two_ranks, kind, mode):
+    single = verdict(kind, mode)
+    for rank in two_ranks:
+        got = rank["verdicts"][(kind, mode)]
+        assert got["outcome"][0] == single["outcome"][0], (got["outcome"], single["outcome"])
+        if single["outcome"][0] == "ok":
+            assert got["outcome"][1] == single["outcome"][1]
+        assert got["moved"] == 0.0 and got["grads"] == [] and got["resharded"], got
+        if single["step"] is not None:
+            for name, move in single["step"].items():
+                torch.testing.assert_close(got["step"][name], move, rtol=1e-5, atol=1e-7)
+
+
+def test_the_one_process_verdicts_are_what_the_models_are_built_for():
+    # the cases above compare with the one-process probe: pin what it says, so the comparison cannot pass vacuously
+    assert set(verdict("tiny", "bookkeeping")["outcome"][1].values()) == {"exact"}
+    assert set(verdict("gated", "bookkeeping")["outcome"][1].values()) == {"exact"}  # the gate re-drawn
+    for kind, words in (("functional", "read outside"), ("mixing", "example"), ("counting", "seen")):
+        got = verdict(kind, "bookkeeping")["outcome"]
+        assert got[0] == "refused" and words in got[1], got
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "per_sample", "ghost"])
+def test_a_clipped_sum_wrong_on_one_ranks_rows_only_is_refused_on_every_rank(two_ranks, mode):
+    for rank in two_ranks:
+        verdict_, message = rank["skewed"][mode]
+        assert verdict_ == "refused" and "clipped sums differ" in message, message
+
+
+def test_a_bf16_gathering_policy_is_refused_in_one_sentence(two_ranks):
+    for rank in two_ranks:
+        verdict_, message = rank["half"]
+        assert verdict_ == "refused" and "fp32 MixedPrecisionPolicy" in message, message
+
+
+def test_ranks_whose_reports_differ_say_so(two_ranks):
+    assert [rank["disagree"] for rank in two_ranks] == ["rank 0 and rank 1", "rank 1 and rank 0"]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    worker(Path(sys.argv[1]))
