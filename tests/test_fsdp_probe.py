@@ -3,10 +3,13 @@
 Every rank runs the probe together on the same synthetic batch and no rank gathers more than one FSDP2 unit at a
 time outside the passes. Checked against the one-process probe on the same unsharded model: the same verdict per
 layer in book-keeping, ghost and per_sample (a tied embedding and head, a layer of one row that rank 1 owns none
-of); the same refusals — a weight read outside its layer, examples that interact, a buffer a training forward
-changes; a clipped sum made wrong on rank 1's rows only is refused on both ranks; an all-zero gate is re-drawn
-for the probe (its shard written in place on each rank) and given back; the weights are untouched after it and no
-gradient is left; a bf16 gathering policy is refused in one sentence; ranks whose reports differ are refused.
+of, a position embedding re-run alone in a unit of its own); the same refusals — a weight read outside its layer
+(a functional use, or through its shard with ``full_tensor()`` in the forward or the loss), examples that
+interact, a buffer a training forward changes; a finding on rank 1 only stops both ranks (no rank left waiting in
+a collective); a clipped sum made wrong on rank 1's rows only is refused on both ranks; an all-zero gate is
+re-drawn for the probe (its shard written in place on each rank) and given back; the weights are untouched after
+it, no gradient is left and a step after it equals one without it; bf16 weights (policy or storage) are refused
+in one sentence; ranks whose reports differ are refused. Several cases come from the session-25 red team.
 """
 
 from __future__ import annotations
@@ -65,15 +68,73 @@ class Gated(TinyLM):
         return self.head(hidden)
 
 
+def whole(weight):
+    """The whole weight: ``full_tensor()`` of a shard (an all-gather outside FSDP2's passes), else itself."""
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
+class CrossRead(TinyLM):
+    """Block 0's weight read again after the blocks, through its shard (``full_tensor()``): a path around the
+    layer that FSDP2's gathered parameters do not carry (found by the session-25 red team)."""
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden + 0.3 * torch.tanh(hidden @ whole(self.blocks[0].fc.weight)))
+
+
+class PositionBlock(nn.Module):
+    """A block with a learned position embedding called on a batch-1 index (broadcast to the batch), inside an
+    FSDP2 unit of its own: the probe re-runs it alone after the pass (BERT's embeddings unit)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.position = nn.Embedding(16, width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, hidden):
+        return hidden + torch.tanh(self.fc(hidden + self.position(torch.arange(hidden.shape[1])[None])))
+
+
+class Positions(TinyLM):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([PositionBlock(6), PositionBlock(6)])
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+class MixingOnRank1(TinyLM):
+    """Examples interact on rank 1 only: the ranks' probes would part ways (and wait for each other for ever)."""
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        hidden = hidden + hidden.mean(dim=0, keepdim=True) * (rank() == 1)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden)
+
+
+class CountingOnRank1(Counting):
+    def forward(self, input_ids):
+        if rank() == 1:
+            self.seen += 1
+        return TinyLM.forward(self, input_ids)
+
+
 BUILDERS = {"tiny": TinyLM, "narrow": None, "functional": FunctionalHead, "mixing": Mixing, "counting": Counting,
-            "gated": Gated}
+            "gated": Gated, "cross_read": CrossRead, "positions": Positions}
+ON_RANK_1 = {"mixing_on_rank_1": MixingOnRank1, "counting_on_rank_1": CountingOnRank1}
 
 
 def build(kind: str) -> nn.Module:
     if kind == "narrow":
         return narrow_lm()
     torch.manual_seed(0)
-    return BUILDERS[kind]().double()
+    return {**BUILDERS, **ON_RANK_1}[kind]().double()
 
 
 def make_batch(examples, positions, generator):
@@ -91,12 +152,18 @@ def engine_for(model, mode, ctx=None):
                          expected_batch_size=4, dataset_size=12, clipping_mode=mode, distributed=ctx, verify=False)
 
 
+def penalty_loss(model, batch):
+    """The per-example losses plus a penalty on a block's weight read in the loss (through its shard)."""
+    return losses(model, batch["input_ids"]) + 0.05 * whole(model.blocks[0].fc.weight).pow(2).sum()
+
+
 def verdict(kind: str, mode: str, ctx=None) -> dict:
     """The probe's statuses per layer (or its refusal), the weights' change and what it left behind."""
-    model = shard(build(kind), ctx)
+    model = shard(build(kind.removesuffix("_penalty")), ctx)
     before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
     engine = engine_for(model, mode, ctx)
-    got = outcome(lambda: {row["name"]: row["status"] for row in engine.verify(make_batch, probe_loss).table()})
+    loss = penalty_loss if kind.endswith("_penalty") else probe_loss
+    got = outcome(lambda: {row["name"]: row["status"] for row in engine.verify(make_batch, loss).table()})
     moved = max(float((full(p).detach() - before[name]).abs().max()) for name, p in model.named_parameters())
     grads = [name for name, p in model.named_parameters() if p.grad is not None]
     sharded_after = all(hasattr(p, "to_local") for p in model.parameters()) if ctx is not None else True
@@ -128,13 +195,14 @@ def skewed_sum(ctx, mode: str) -> tuple:
         engine.detach()
 
 
-def half_policy(ctx) -> tuple:
+def half_weights(ctx, stored: bool) -> tuple:
+    """bf16 weights gathered by FSDP2's policy, or stored in bf16: refused in one sentence."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dptext.finetune.sharding import shard_model
 
-    model = build("tiny")
-    shard_model(model, list(model.blocks), MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model = build("tiny").to(torch.bfloat16 if stored else torch.float64)
+    shard_model(model, list(model.blocks), None if stored else MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     return outcome(lambda: engine_for(model, "bookkeeping", ctx).verify(make_batch, probe_loss))
 
 
@@ -150,9 +218,11 @@ def worker(out: Path) -> None:
     ctx = current("cpu")
     ctx.sharded = True
     results = {
-        "verdicts": {(kind, mode): verdict(kind, mode, ctx) for kind in BUILDERS for mode in MODES},
+        "verdicts": {(kind, mode): verdict(kind, mode, ctx) for kind in [*BUILDERS, "tiny_penalty"]
+                     for mode in MODES},
+        "on_rank_1": {kind: verdict(kind, "bookkeeping", ctx)["outcome"] for kind in ON_RANK_1},
         "skewed": {mode: skewed_sum(ctx, mode) for mode in ("bookkeeping", "per_sample", "ghost")},
-        "half": half_policy(ctx),
+        "half": {stored: half_weights(ctx, stored) for stored in (False, True)},
         "disagree": disagreement(ctx),
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
@@ -164,7 +234,7 @@ def two_ranks(tmp_path_factory):
     return run_two_ranks(__file__, tmp_path_factory.mktemp("ranks"), TIMEOUT)
 
 
-@pytest.mark.parametrize("kind", list(BUILDERS))
+@pytest.mark.parametrize("kind", [*BUILDERS, "tiny_penalty"])
 @pytest.mark.parametrize("mode", MODES)
 def test_the_sharded_probe_reaches_the_one_process_verdict(two_ranks, kind, mode):
     single = verdict(kind, mode)
@@ -183,9 +253,19 @@ def test_the_one_process_verdicts_are_what_the_models_are_built_for():
     # the cases above compare with the one-process probe: pin what it says, so the comparison cannot pass vacuously
     assert set(verdict("tiny", "bookkeeping")["outcome"][1].values()) == {"exact"}
     assert set(verdict("gated", "bookkeeping")["outcome"][1].values()) == {"exact"}  # the gate re-drawn
-    for kind, words in (("functional", "read outside"), ("mixing", "example"), ("counting", "seen")):
+    assert set(verdict("positions", "bookkeeping")["outcome"][1].values()) == {"exact"}
+    for kind, words in (("functional", "read outside"), ("mixing", "example"), ("counting", "seen"),
+                        ("cross_read", "read outside"), ("tiny_penalty", "read outside")):
         got = verdict(kind, "bookkeeping")["outcome"]
         assert got[0] == "refused" and words in got[1], got
+
+
+@pytest.mark.parametrize("kind", list(ON_RANK_1))
+def test_a_finding_on_one_rank_only_stops_every_rank(two_ranks, kind):
+    # each pass is a collective: a rank that stopped while the other went on would leave it waiting for ever
+    for rank in two_ranks:
+        verdict_, message = rank["on_rank_1"][kind]
+        assert verdict_ == "refused", message
 
 
 @pytest.mark.parametrize("mode", ["bookkeeping", "per_sample", "ghost"])
@@ -195,10 +275,11 @@ def test_a_clipped_sum_wrong_on_one_ranks_rows_only_is_refused_on_every_rank(two
         assert verdict_ == "refused" and "clipped sums differ" in message, message
 
 
-def test_a_bf16_gathering_policy_is_refused_in_one_sentence(two_ranks):
+@pytest.mark.parametrize("stored", [False, True], ids=["policy", "stored"])
+def test_bf16_gathered_weights_are_refused_in_one_sentence(two_ranks, stored):
     for rank in two_ranks:
-        verdict_, message = rank["half"]
-        assert verdict_ == "refused" and "fp32 MixedPrecisionPolicy" in message, message
+        verdict_, message = rank["half"][stored]
+        assert verdict_ == "refused" and "in fp32 before fully_shard" in message, message
 
 
 def test_ranks_whose_reports_differ_say_so(two_ranks):

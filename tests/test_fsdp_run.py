@@ -179,6 +179,8 @@ def test_the_proof_runs_sharded_on_fp32_weights_and_before_fully_shard_on_bf16_o
 
     (tmp_path / "tiny.yaml").write_text(recipe_text(shared_data))
     recipe = config.load_recipe(tmp_path / "tiny.yaml", [f"train.precision={precision}"])
-    assert proven_before_sharding(recipe, torch.device("cpu")) is before
+    model = torch.nn.Linear(2, 2)
+    assert proven_before_sharding(recipe, torch.device("cpu"), model) is before
+    assert proven_before_sharding(recipe, torch.device("cpu"), model.to(torch.bfloat16)) is True  # stored in bf16
     unverified = config.load_recipe(tmp_path / "tiny.yaml", [f"train.precision={precision}", "privacy.verify=false"])
-    assert proven_before_sharding(unverified, torch.device("cpu")) is False
+    assert proven_before_sharding(unverified, torch.device("cpu"), model) is False

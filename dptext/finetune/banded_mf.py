@@ -77,7 +77,8 @@ def build_banded_mf(training: Any, dist: Any, probe_now: bool = True) -> None:
         seed=privacy_seed(privacy, recipe.train.seed), secure_rng=privacy.secure_rng,
         ledger=training.ledger.record_step, distributed=dist, verify=privacy.verify)
     training.ledger.mechanism = training.engine.mechanism()
-    if probe_now and getattr(dist, "sharded", False) and proven_before_sharding(recipe, training.device):
+    sharded = getattr(dist, "sharded", False)
+    if probe_now and sharded and proven_before_sharding(recipe, training.device, training.model):
         mark_verified(training.engine)  # probed on the whole model before fully_shard (bf16: prove_then_shard)
     elif privacy.verify and probe_now:
         verify_with_task(training.engine, training.task, training.model)

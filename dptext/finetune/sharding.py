@@ -76,12 +76,15 @@ def check_sharding(recipe: Any, world_size: int, probe_now: bool) -> None:
         raise UserError("dptext distill does not support train.sharding=fsdp yet; set train.sharding=none.")
 
 
-def proven_before_sharding(training_recipe: Any, device: torch.device) -> bool:
+def proven_before_sharding(training_recipe: Any, device: torch.device, model: nn.Module) -> bool:
     """Whether the start-up probe runs on the whole model before ``fully_shard`` (``prove_then_shard``): with a
-    bf16 policy only, whose gathered weights would round the sharded probe's comparison; with fp32 weights the
-    engine on the sharded model proves itself, every rank together (``dptext.privacy.proof.sharded_probe``)."""
+    bf16 policy or half-precision weights only, whose gathered weights would round the sharded probe's comparison;
+    with fp32 weights the engine on the sharded model proves itself, every rank together
+    (``dptext.privacy.proof.sharded_probe``)."""
     privacy = training_recipe.privacy
-    return privacy.enabled and privacy.verify and mixed_precision(training_recipe.train.precision, device) is not None
+    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+    return privacy.enabled and privacy.verify and (
+        half or mixed_precision(training_recipe.train.precision, device) is not None)
 
 
 def prove_then_shard(training_recipe: Any, task: Any, model: nn.Module, device: torch.device) -> nn.Module:
@@ -91,7 +94,7 @@ def prove_then_shard(training_recipe: Any, task: Any, model: nn.Module, device: 
     tests/test_fsdp.py). Every rank builds the same model from the same recipe, so the first rank proves it for all
     (``on_first_rank``): the others hold no probe state and wait, and all of them refuse in the same sentence."""
     privacy = training_recipe.privacy
-    if proven_before_sharding(training_recipe, device):
+    if proven_before_sharding(training_recipe, device, model):
         def prove() -> None:
             trained = [p for p in model.parameters() if p.requires_grad]
             probe = PrivacyEngine(model, torch.optim.SGD(trained, lr=0.0), noise_multiplier=0.0,

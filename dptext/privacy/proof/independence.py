@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from dptext.privacy.proof.reference import ReferenceFailed, same_randomness
+from dptext.privacy.proof.sharded_probe import anywhere
 
 
 def with_row(batch: dict[str, Any], fresh: dict[str, Any], example: int) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def check_loss_independence(engine, report, batch, redraw, loss_fn, device, loss
     fp32), and that must not read as examples interacting, nor widen the tolerance that catches real ones."""
     for example in range(len(loss)):
         other, keep = plain_loss(engine, redraw(example), loss_fn, device), others(loss, example)
-        if other.shape != loss.shape or not same_values(other[keep], loss[keep]):
+        if anywhere(engine, other.shape != loss.shape or not same_values(other[keep], loss[keep])):
             report.loss_problem = LOSSES_INTERACT
             return
 
@@ -76,7 +77,7 @@ def check_redrawn_examples(engine, report, redraw, loss_fn, device, loss, rows_b
         changed_uses = list(engine.recorder.uses)
         engine.recorder.take_uses()
         keep = others(loss, example)
-        if other.shape != loss.shape or not same_values(other[keep], loss[keep]):
+        if anywhere(engine, other.shape != loss.shape or not same_values(other[keep], loss[keep])):
             report.loss_problem = LOSSES_INTERACT
             return
         after = _by_occurrence((use.module, _first_tensor(use.activation)) for use in changed_uses)

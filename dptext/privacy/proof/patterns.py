@@ -39,11 +39,20 @@ def pattern_name(name: str) -> str:
 
 
 def _instance_code(module: nn.Module, own_hooks: set[int]) -> bool:
-    """True if this instance runs code its class does not: a replaced forward or a hook not the engine's
-    (hooks are keyed by their handle's id in these dicts; torch has no public way to list them)."""
+    """True if this instance runs code its class does not: a replaced forward or a hook not the engine's nor
+    FSDP2's (hooks are keyed by their handle's id in these dicts; torch has no public way to list them)."""
     if "forward" in vars(module):
         return True
-    return any(key not in own_hooks for store in HOOK_STORES for key in getattr(module, store))
+    return any(key not in own_hooks and not _fsdp_pass_hook(hook)
+               for store in HOOK_STORES for key, hook in getattr(module, store).items())
+
+
+def _fsdp_pass_hook(hook: Any) -> bool:
+    """FSDP2's own forward hooks on every unit it wraps (``FSDPState._pre_forward``/``_post_forward``: gather the
+    unit's weights, free them), the same code on every unit: they see no example, so they do not make a block
+    its own pattern (otherwise every layer of a sharded model would be compared, the whole model's reference)."""
+    owner = getattr(hook, "__self__", None)
+    return type(owner).__name__ == "FSDPState" and type(owner).__module__.startswith("torch.distributed.fsdp")
 
 
 PLAIN = (bool, int, float, str, type(None))

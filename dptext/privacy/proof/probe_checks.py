@@ -14,105 +14,19 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
 from dptext.privacy.proof.buffers import BUFFER_CHANGED, buffer_snapshot, changed_buffer
 from dptext.privacy.proof.independence import (_first_tensor, check_loss_independence, check_redrawn_examples,
                                                plain_loss, same_values)
-from dptext.privacy.proof.sharded_probe import planned, view_of
-from dptext.privacy.proof.reference import (Reference, reference_gradients, same_randomness, squared_distance,
-                                            squared_norm)
+from dptext.privacy.proof.hooked_forward import OUTSIDE_READ, engine_forward
+from dptext.privacy.proof.reference import Reference, reference_gradients, squared_distance, squared_norm
+from dptext.privacy.proof.sharded_probe import anywhere, planned, view_of
 
 RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
 DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"
-METADATA = {"__get__", "size", "dim", "numel", "is_floating_point", "data_ptr", "stride", "is_contiguous",
-            "element_size", "__len__", "__format__", "__repr__", "__hash__", "__eq__"}
-
-
-class ParameterReads(TorchFunctionMode):
-    """Records tracked parameters read by a torch function outside every module that owns them."""
-
-    def __init__(self, owners: dict[int, set[nn.Module]]):
-        super().__init__()
-        self.owners, self.stack, self.outside = owners, [], set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in METADATA:
-            for value in list(args) + list(kwargs.values()):
-                for item in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(item, Tensor) and id(item) in self.owners:
-                        if not self.stack or self.stack[-1] not in self.owners[id(item)]:
-                            self.outside.add(id(item))
-        return func(*args, **kwargs)
-
-
-def engine_forward(engine, report, batch, loss_fn, device):
-    """The loss with the engine's hooks and the outside-read detector; returns (loss, uses) or None if refused."""
-    recorder = engine.recorder
-    owners: dict[int, set[nn.Module]] = {}
-    view = view_of(engine)
-    for module, (_, names) in engine.tracked.items():
-        for name in names:
-            param = planned(engine, module, name)
-            for read in (param, view.target(param)) if view is not None else (param,):  # a shard and what the
-                owners.setdefault(id(read), set()).add(module)  # layers compute with under FSDP2
-    reads = ParameterReads(owners)
-    def enter(module, args) -> None:
-        reads.stack.append(module)
-
-    def leave(module, args, output) -> None:  # returns None: a hook's return value would replace the output
-        reads.stack.pop()
-
-    handles = []
-    for module in engine.tracked:
-        handles.append(module.register_forward_pre_hook(enter, prepend=True))
-        handles.append(module.register_forward_hook(leave))
-    recorder.probing = True
-    try:
-        with same_randomness(device), reads:
-            loss = loss_fn(engine.model, batch)
-    except Exception as error:  # noqa: BLE001 - a crash only with the hooks is the expansion's fault
-        expanded = {module for module, _, _ in recorder.expansions}
-        recorder.take_uses()
-        if not expanded:
-            plain_loss(engine, batch, loss_fn, device)  # the model's own forward fails: ReferenceFailed says so
-            raise
-        for module in expanded:
-            report.refuse(module, f"broadcasting its batch-1 input to the batch breaks the model's forward "
-                                  f"({type(error).__name__})")
-        return None
-    finally:
-        for handle in handles:
-            handle.remove()
-    for module, args, output in recorder.expansions:
-        with torch.no_grad(), recorder.paused():
-            alone = module(*args)
-        if output is None or not _broadcasts_to(alone, output):
-            report.refuse(module, "broadcasting its batch-1 input to the batch changes its output")
-    for module, (_, names) in engine.tracked.items():
-        for name in names:
-            param = planned(engine, module, name)
-            if id(param) in reads.outside or (view is not None and id(view.target(param)) in reads.outside):
-                report.refuse(module, f"its parameter '{name}' is also read outside the module (a functional use "
-                                      "or a second module), a path its rule does not see")
-    uses = list(recorder.uses)
-    for use in uses:
-        problem = use.problem or use.in_place_problem()
-        if problem:
-            report.refuse(use.module, problem)
-    return loss, uses
-
-
-def _broadcasts_to(alone: Any, output: Tensor) -> bool:
-    if not isinstance(alone, Tensor):
-        return False
-    try:
-        return bool(torch.allclose(alone.expand_as(output), output.detach()))
-    except RuntimeError:
-        return False
+ELSEWHERE = "a finding on another rank"  # what a rank that found nothing itself reports when another rank stopped
 
 
 def _owners_of(engine, param) -> list[nn.Module]:
@@ -220,7 +134,7 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
 
     def stop(loss_checked: bool = True) -> None:
         """An early finding: interacting examples and a failing reference still speak first."""
-        if redraw is not None and loss_checked and not report.loss_problem:
+        if redraw is not None and loss_checked and not anywhere(engine, bool(report.loss_problem)):
             baseline = plain_loss(engine, batch, loss_fn, device)  # the redraws' losses are computed this way
             check_loss_independence(engine, report, batch, redraw, loss_fn, device, baseline)
         reference_gradients(engine, batch, loss_fn, device, compared,  # raises ReferenceFailed if it fails
@@ -230,21 +144,22 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
     # on it (a separate plain forward for them cost two of the probe's ~26 passes over the model).
     shard_of = view_of(engine).shard_of if view_of(engine) is not None else None
     before = buffer_snapshot(engine.model, shard_of)
-    forward = engine_forward(engine, report, batch, loss_fn, device)
-    if forward is None:
+    forward = engine_forward(engine, report, batch, loss_fn, device)  # under sharding every rank takes each early
+    if anywhere(engine, forward is None):  # stop below if any rank does (``sharded_probe.anywhere``)
+        engine.recorder.take_uses()
         return stop()
     loss, uses = forward
     changed = changed_buffer(engine.model, before, shard_of)
-    if changed is not None:
-        report.state_problem = BUFFER_CHANGED.format(changed)
+    if anywhere(engine, changed is not None):
+        report.state_problem = BUFFER_CHANGED.format(changed or ELSEWHERE)
         engine.recorder.take_uses()
         return stop(loss_checked=False)
     shape_problem = loss_shape_problem(batch, loss)
-    if shape_problem:  # never overwrite: an earlier shape's finding (examples that interact) must stand
-        report.loss_problem = report.loss_problem or shape_problem
+    if anywhere(engine, bool(shape_problem)):  # never overwrite: an earlier shape's finding must stand
+        report.loss_problem = report.loss_problem or shape_problem or ELSEWHERE
         engine.recorder.take_uses()
         return stop(loss_checked=False)
-    if report.refused() or report.loss_problem:
+    if anywhere(engine, bool(report.refused() or report.loss_problem)):
         engine.recorder.take_uses()
         return stop()
     rows_before = [(use.module, _first_tensor(use.activation)) for use in uses]
@@ -267,7 +182,11 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
     if not same_values(loss.detach(), reference.loss):
         for module, _, _ in engine.recorder.expansions:
             report.refuse(module, "broadcasting its batch-1 input to the batch changes the model's output")
-    if report.refused():
+    for param in reference.shard_reads:  # FSDP2: a path through a shard, around every layer
+        for module in _owners_of(engine, param):
+            name = next(n for n in engine.tracked[module][1] if planned(engine, module, n) is param)
+            report.refuse(module, OUTSIDE_READ.format(name))
+    if anywhere(engine, bool(report.refused())):
         return stop()
     compare(engine, report, reference, norms_sq, sums)
     share_verdicts(engine, report, decided_by)

@@ -60,13 +60,15 @@ class Reference:
     def __init__(self, engine, batch, loss_fn, device, params: list[nn.Parameter],
                  other_norms_sq: dict[nn.Parameter, Tensor] | None = None, examples: set[int] | None = None):
         params = list(params)
-        view = view_of(engine)  # sharded: differentiate what the layers compute with, the gathered parameters
-        targets = [view.target(p) for p in params] if view is not None else params
+        view = view_of(engine)  # sharded: differentiate what the layers compute with, the gathered parameters,
+        targets = [view.target(p) for p in params] if view is not None else params  # and see any path through a
+        shards = list(engine.params) if view is not None else []  # shard itself (``full_tensor()`` outside a pass)
+        self.shard_reads: set[Tensor] = set()
         others = other_norms_sq or {}
         squares: list[dict[nn.Parameter, Tensor]] = []
         self.params = params
         self.sums: list[Tensor] = []  # formed from the first compared example's gradient: no zero-filled copy
-        with requiring_grad(list(dict.fromkeys(params + targets))):
+        with requiring_grad(list(dict.fromkeys(params + targets + shards))):
             with engine.recorder.paused(), same_randomness(device):
                 loss = loss_fn(engine.model, batch)
             self.loss = loss.detach()
@@ -74,7 +76,7 @@ class Reference:
                 if examples is not None and i not in examples:  # weighted 0 in the engine's pass: its exact
                     squares.append({p: loss.new_zeros(1, dtype=torch.float64) for p in params})  # gradient is 0
                     continue
-                row = _example_gradient(loss[i], targets)
+                row = _example_gradient(loss[i], targets, shards, self.shard_reads)
                 norms = {p: squared_norm(g) for g, p in zip(row, params)}
                 if not all(bool(torch.isfinite(n)) for n in norms.values()):
                     raise ReferenceFailed("non-finite losses or gradients")
@@ -99,10 +101,16 @@ def reference_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def _example_gradient(example_loss: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
-    """One example's gradient of every compared parameter (zeros where it has none), from the retained graph."""
-    row = torch.autograd.grad(example_loss, params, retain_graph=True, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(row, params)]
+def _example_gradient(example_loss: Tensor, params: list[nn.Parameter], shards: list[Tensor] = (),
+                      shard_reads: set | None = None) -> list[Tensor]:
+    """One example's gradient of every compared parameter (zeros where it has none), from the retained graph.
+    ``shards`` (FSDP2): the sharded parameters, which FSDP2 gathers outside autograd, so a gradient reaching one
+    is a path around the layers (added to ``shard_reads``)."""
+    row = torch.autograd.grad(example_loss, list(params) + list(shards), retain_graph=True, allow_unused=True)
+    for g, shard in zip(row[len(params):], shards):
+        if g is not None:
+            shard_reads.add(shard)
+    return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(row[:len(params)], params)]
 
 
 NORM_CHUNK = 1 << 16  # entries per partial dot product

@@ -27,9 +27,10 @@ from dptext.privacy.sharding.sharded import is_sharded
 
 DISAGREE = ("The start-up probe reached different verdicts on different ranks ({}), so it proves nothing about "
             "the sharded model; check that every rank builds the same model and runs the same code.")
-HALF = ("The start-up probe on a sharded model runs in the precision FSDP2 gathers the weights in, and this "
-        "model's policy gathers them in {}, whose rounding hides a wrong path; prove it sharded with an fp32 "
-        "MixedPrecisionPolicy (as `dptext finetune` does) and train with the {} one.")
+HALF = ("The start-up probe on a sharded model runs in the precision FSDP2 gathers the weights in, and this model's "
+        "are gathered in {}, whose rounding would hide a wrong path; prove it in fp32 before fully_shard (report = "
+        "PrivacyEngine(model, ...).verify(), then engine.detach(), fully_shard, and verify=report on the sharded "
+        "model's engine), as `dptext finetune` does for bf16 runs.")
 
 
 @dataclass
@@ -61,6 +62,35 @@ class ShardedView:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """Whether ``flag`` holds on any rank: where the probe stops early, every rank stops (each pass is a
+        collective, so a rank that went on alone would wait for the others for ever)."""
+        box = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return bool(box.item() > 0)
+
+
+def anywhere(engine, flag: bool) -> bool:
+    """``flag`` on this rank, or on any rank under sharding (``ShardedView.any``)."""
+    view = view_of(engine)
+    return view.any(flag, engine.params[0].device) if view is not None else flag
+
+
+@contextmanager
+def gathered_unit(engine, module: nn.Module):
+    """Under sharding, ``module``'s FSDP2 unit gathered for a call outside a pass (the probe's re-run of a layer
+    whose batch-1 input was broadcast), given back after; otherwise nothing."""
+    if view_of(engine) is None:
+        yield
+        return
+    units = [unit for unit in fsdp_units(engine.model) if any(m is module for m in unit.modules())]
+    unit = min(units, key=lambda each: sum(1 for _ in each.modules()))  # the innermost unit holding it
+    unit.unshard()
+    try:
+        yield
+    finally:
+        unit.reshard()
 
 
 def view_of(engine) -> ShardedView | None:
@@ -122,14 +152,16 @@ def gathered_parameters(model: nn.Module) -> dict[Tensor, nn.Parameter]:
     return found
 
 
-def gathered_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype FSDP2's mixed-precision policy gathers the weights in (None: their own)."""
+def half_gathered(model: nn.Module) -> torch.dtype | None:
+    """bf16 or fp16 if FSDP2 gathers some of the weights in it (its mixed-precision policy, or weights stored so),
+    else None."""
+    half = (torch.float16, torch.bfloat16)
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
         policy = getattr(state(), "_mp_policy", None) if state is not None else None
-        if policy is not None and policy.param_dtype is not None:
+        if policy is not None and policy.param_dtype in half:
             return policy.param_dtype
-    return None
+    return next((p.dtype for p in model.parameters() if p.dtype in half), None)
 
 
 def all_zero_on_every_rank(param: Tensor, local_all_zero) -> bool:

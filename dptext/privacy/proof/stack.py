@@ -25,7 +25,8 @@ from torch import nn
 from dptext.privacy.proof.patterns import _instance_code, instance_settings
 from dptext.privacy.proof.buffers import BUFFER_CHANGED, buffer_snapshot, changed_buffer
 from dptext.privacy.proof.sharded_probe import view_of
-from dptext.privacy.proof.probe_checks import engine_forward, loss_shape_problem
+from dptext.privacy.proof.hooked_forward import engine_forward
+from dptext.privacy.proof.probe_checks import loss_shape_problem
 
 STACK_NAMES = frozenset({"layers", "layer", "h", "block", "blocks"})  # the attribute transformers keep their
 # repeated blocks under; a list named otherwise (``experts``: routed by index) is never cut

@@ -38,7 +38,7 @@ from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
-from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, gathered_dtype, sharded_view, view_of
+from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, half_gathered, sharded_view, view_of
 from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_batches, synthetic_token_batch
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
@@ -148,8 +148,8 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     (``proof.stack``); False runs every shape on the whole model."""
     model = engine.model
     with sharded_view(engine, model) as view:  # FSDP2: every rank together, no cut (``proof.sharded_probe``)
-        if view is not None and gathered_dtype(model) in (torch.float16, torch.bfloat16):
-            raise UserError(HALF.format(gathered_dtype(model), gathered_dtype(model)))
+        if view is not None and half_gathered(model) is not None:
+            raise UserError(HALF.format(half_gathered(model)))
         report = _probe(engine, make_batch, loss_fn, shapes, None if view is not None else dtype, cut_stacks)
         problem = agreed(report.table()) if view is not None else None
     if problem is not None:
