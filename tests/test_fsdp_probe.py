@@ -206,6 +206,48 @@ def half_weights(ctx, stored: bool) -> tuple:
     return outcome(lambda: engine_for(model, "bookkeeping", ctx).verify(make_batch, probe_loss))
 
 
+def disguised_hook(ctx) -> tuple:
+    """A foreign forward hook on block 1's layer, bound to FSDP2's own state object so that it looks like FSDP2's
+    pass hooks (session-25 red team): it must count as the instance's own code (block 1 compared itself)."""
+    import types
+
+    def second_use(self, module, args, output):
+        return output + 0.5 * nn.functional.linear(args[0], module.weight)
+
+    model = shard(build("tiny"), ctx)
+    model.blocks[1].fc.register_forward_hook(types.MethodType(second_use, model.blocks[1]._get_fsdp_state()))
+    return said(lambda: engine_for(model, "bookkeeping", ctx).verify(make_batch, probe_loss))
+
+
+def said(action) -> tuple:
+    """("ok", the statuses) or ("refused", the sentence): nothing that holds the model."""
+    verdict_, got = outcome(action)
+    return verdict_, sorted({row["status"] for row in got.table()}) if verdict_ == "ok" else got
+
+
+def changed_reduction(ctx, change: str) -> tuple:
+    """Ghost clipping's sums are reduced by FSDP2: a hook on block 1's reduced gradients (×1.5) or a bf16 reduce
+    dtype there changes them on that unit only, which the probe's one compared block would not see."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build("tiny")
+    for number, block in enumerate(model.blocks):
+        bf16 = change == "bf16" and number == 1
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if bf16 else None))
+    fully_shard(model)
+    if change == "hook":
+        model.blocks[1].set_all_reduce_hook(lambda reduced: reduced.mul_(1.5))
+    return said(lambda: engine_for(model, "ghost", ctx).verify(make_batch, probe_loss))
+
+
+def global_random_batch(ctx) -> tuple:
+    """A ``make_batch`` that ignores its generator and draws from the global state, seeded apart on each rank."""
+    model = shard(build("tiny"), ctx)
+    torch.manual_seed(100 + ctx.rank)  # after build(), which seeds alike
+    return said(lambda: engine_for(model, "bookkeeping", ctx).verify(
+        lambda examples, positions, generator: make_batch(examples, positions, None), probe_loss))
+
+
 def disagreement(ctx) -> str | None:
     from dptext.privacy.proof.sharded_probe import agreed
 
@@ -224,6 +266,9 @@ def worker(out: Path) -> None:
         "skewed": {mode: skewed_sum(ctx, mode) for mode in ("bookkeeping", "per_sample", "ghost")},
         "half": {stored: half_weights(ctx, stored) for stored in (False, True)},
         "disagree": disagreement(ctx),
+        "disguised": disguised_hook(ctx),
+        "reduction": {change: changed_reduction(ctx, change) for change in ("hook", "bf16")},
+        "global_random": global_random_batch(ctx),
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -280,6 +325,25 @@ def test_bf16_gathered_weights_are_refused_in_one_sentence(two_ranks, stored):
     for rank in two_ranks:
         verdict_, message = rank["half"][stored]
         assert verdict_ == "refused" and "in fp32 before fully_shard" in message, message
+
+
+def test_a_foreign_hook_bound_to_fsdp2s_state_is_still_foreign_code(two_ranks):
+    for rank in two_ranks:
+        verdict_, message = rank["disguised"]
+        assert verdict_ == "refused" and "blocks.1.fc" in message, message
+
+
+@pytest.mark.parametrize("change, words", [("hook", "set_all_reduce_hook"), ("bf16", "reduce dtype")])
+def test_ghost_refuses_a_reduction_fsdp2_changes_on_one_unit(two_ranks, change, words):
+    for rank in two_ranks:
+        verdict_, message = rank["reduction"][change]
+        assert verdict_ == "refused" and words in message, message
+
+
+def test_a_batch_that_differs_between_ranks_is_refused_in_one_sentence(two_ranks):
+    for rank in two_ranks:
+        verdict_, message = rank["global_random"]
+        assert verdict_ == "refused" and "differs between the ranks" in message, message
 
 
 def test_ranks_whose_reports_differ_say_so(two_ranks):

@@ -50,9 +50,15 @@ def _instance_code(module: nn.Module, own_hooks: set[int]) -> bool:
 def _fsdp_pass_hook(hook: Any) -> bool:
     """FSDP2's own forward hooks on every unit it wraps (``FSDPState._pre_forward``/``_post_forward``: gather the
     unit's weights, free them), the same code on every unit: they see no example, so they do not make a block
-    its own pattern (otherwise every layer of a sharded model would be compared, the whole model's reference)."""
-    owner = getattr(hook, "__self__", None)
-    return type(owner).__name__ == "FSDPState" and type(owner).__module__.startswith("torch.distributed.fsdp")
+    its own pattern (otherwise every layer of a sharded model would be compared, the whole model's reference).
+    Recognised by the function itself, not by what it is bound to (a foreign function bound to FSDP2's state
+    object is foreign code: found by the session-25 red team)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # another torch: every such hook counts as foreign (each block compared: safe, dearer)
+        return False
+    return isinstance(getattr(hook, "__self__", None), FSDPState) and \
+        getattr(hook, "__func__", None) in (FSDPState._pre_forward, FSDPState._post_forward)
 
 
 PLAIN = (bool, int, float, str, type(None))

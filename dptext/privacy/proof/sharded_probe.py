@@ -15,6 +15,7 @@ same everywhere, and the ranks' final reports are compared (a difference is refu
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -22,9 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dptext.errors import UserError
 from dptext.privacy.sharding.row_reduce import local_rows
 from dptext.privacy.sharding.sharded import is_sharded
 
+DIFFERENT_BATCHES = ("The start-up probe's synthetic batch differs between the ranks, so their proofs would be of "
+                     "different batches; draw it from the generator make_batch is given (not from the global random "
+                     "state, which each rank seeds apart).")
 DISAGREE = ("The start-up probe reached different verdicts on different ranks ({}), so it proves nothing about "
             "the sharded model; check that every rank builds the same model and runs the same code.")
 HALF = ("The start-up probe on a sharded model runs in the precision FSDP2 gathers the weights in, and this model's "
@@ -174,6 +179,21 @@ def all_zero_on_every_rank(param: Tensor, local_all_zero) -> bool:
 def local_tensor(tensor: Tensor) -> Tensor:
     """The rows this rank holds of a sharded tensor; any other tensor itself."""
     return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def check_same_batch(engine, batch: dict) -> None:
+    """Under sharding, every rank's probe batch must be the same (one all-gather of a digest), else one sentence."""
+    if view_of(engine) is None:
+        return
+    digest = hashlib.sha256()
+    for key in sorted(batch, key=str):
+        value = batch[key]
+        data = value.detach().reshape(-1).double().cpu().numpy().tobytes() if isinstance(value, Tensor) else b""
+        digest.update(repr((key, getattr(value, "shape", value) if data else value)).encode() + data)
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest.hexdigest())
+    if len(set(digests)) > 1:
+        raise UserError(DIFFERENT_BATCHES)
 
 
 def agreed(table: list[dict[str, str]]) -> str | None:

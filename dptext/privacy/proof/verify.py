@@ -38,7 +38,8 @@ from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
-from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, half_gathered, sharded_view, view_of
+from dptext.privacy.proof.sharded_probe import (DISAGREE, HALF, agreed, check_same_batch, half_gathered,
+                                                 sharded_view, view_of)
 from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_batches, synthetic_token_batch
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
@@ -184,6 +185,7 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
         with vocabulary_applied(vocabulary):
             for number, (examples, positions) in list(enumerate(shapes))[shapes_from:]:
                 batch, redraw = synthetic_batches(make_batch, examples, positions, number, device)
+                check_same_batch(engine, batch)  # FSDP2: every rank proves the same batch
                 batches.append((batch, redraw if examples > 1 else None))
         return batches
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
@@ -91,6 +92,30 @@ def check_still_summing(model: nn.Module) -> None:
                 raise UserError("FSDP2's gradient reduction on this model was changed after the privacy engine set "
                                 "it to a plain sum of every parameter, so ghost clipping's sums would be wrong; leave "
                                 "the reduction settings alone while the engine is attached (detach() it first).")
+            changed = reduction_changed(group)
+            if changed:
+                raise UserError(f"FSDP2 reduces the gradients of '{type(module).__name__}' with {changed}, so ghost "
+                                "clipping's clipped sums (which FSDP2 reduces) would not be their plain sum; remove "
+                                "it while the engine is attached, or use privacy.clipping_mode=bookkeeping.")
+
+
+PLAIN_REDUCE_SCATTER = ("DefaultReduceScatter", "ProcessGroupAllocReduceScatter", "SymmMemReduceScatter")  # torch's
+# own: they differ in where the buffers are allocated, not in what is summed
+
+
+def reduction_changed(group) -> str | None:
+    """What makes an FSDP2 param group's reduce-scatter other than a plain full-precision sum, in words, or None:
+    a hook on its output (``set_all_reduce_hook``: found by the session-25 red team, ×1.5 on one block went
+    unseen), a custom reduce-scatter, or a reduce dtype below fp32 (sums rounded to bf16)."""
+    if getattr(group, "_all_reduce_hook", None) is not None:
+        return "a hook on the reduced gradients (set_all_reduce_hook)"
+    comm = getattr(group, "_reduce_scatter_comm", None)
+    if comm is not None and type(comm).__name__ not in PLAIN_REDUCE_SCATTER:
+        return f"a custom reduce-scatter ({type(comm).__name__})"
+    dtype = getattr(group, "_reduce_dtype", None)
+    if dtype is not None and dtype.is_floating_point and torch.finfo(dtype).bits < 32:
+        return f"a {dtype} reduce dtype"
+    return None
 
 
 @contextmanager
