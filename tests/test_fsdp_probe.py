@@ -248,6 +248,41 @@ def global_random_batch(ctx) -> tuple:
         lambda examples, positions, generator: make_batch(examples, positions, None), probe_loss))
 
 
+def second_use_hook(module, args, output):
+    """A global module hook acting on block 1's layer only: a second use of its weight the rule does not see."""
+    return output + 0.5 * nn.functional.linear(args[0], module.weight) if getattr(module, "marked", False) else None
+
+
+def global_hook(ctx=None) -> tuple:
+    """A global module hook (``register_module_forward_hook``) that acts on one layer only must not hide behind
+    that layer's pattern-mate (session-25 red team: accepted in one process and sharded, a 1.5x gradient)."""
+    model = shard(build("tiny"), ctx)
+    model.blocks[1].fc.marked = True
+    handle = nn.modules.module.register_module_forward_hook(second_use_hook)
+    try:
+        return said(lambda: engine_for(model, "bookkeeping", ctx).verify(make_batch, probe_loss))
+    finally:
+        handle.remove()
+
+
+def sync_off_on_one_unit(ctx) -> tuple:
+    """Ghost with FSDP2's gradient sync off on block 1 only: its sums would never be reduced (and a later step
+    would release them all at once)."""
+    model = shard(build("tiny"), ctx)
+    model.blocks[1].set_requires_gradient_sync(False, recurse=False)
+    return said(lambda: engine_for(model, "ghost", ctx).verify(make_batch, probe_loss))
+
+
+def kept_gathered(ctx, mode: str) -> tuple:
+    """Book-keeping and per_sample with a unit kept gathered after the backward (FSDP2's accumulation idiom): its
+    sums were dropped silently (session-25 red team); now one sentence."""
+    model = shard(build("tiny"), ctx)
+    engine = engine_for(model, mode, ctx)
+    engine.verify(make_batch, probe_loss)
+    model.set_reshard_after_backward(False)
+    return said(lambda: moves(model, engine, token_ids()[ctx.shard(N)]))
+
+
 def disagreement(ctx) -> str | None:
     from dptext.privacy.proof.sharded_probe import agreed
 
@@ -269,6 +304,9 @@ def worker(out: Path) -> None:
         "disguised": disguised_hook(ctx),
         "reduction": {change: changed_reduction(ctx, change) for change in ("hook", "bf16")},
         "global_random": global_random_batch(ctx),
+        "global_hook": global_hook(ctx),
+        "sync_off": sync_off_on_one_unit(ctx),
+        "kept_gathered": {mode: kept_gathered(ctx, mode) for mode in ("bookkeeping", "per_sample")},
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -344,6 +382,39 @@ def test_a_batch_that_differs_between_ranks_is_refused_in_one_sentence(two_ranks
     for rank in two_ranks:
         verdict_, message = rank["global_random"]
         assert verdict_ == "refused" and "differs between the ranks" in message, message
+
+
+def test_a_global_hook_on_one_layer_does_not_hide_behind_its_pattern_mate(two_ranks):
+    single = global_hook()
+    assert single[0] == "refused" and "blocks.1.fc" in single[1], single
+    for rank in two_ranks:
+        verdict_, message = rank["global_hook"]
+        assert verdict_ == "refused" and "blocks.1.fc" in message, message
+
+
+def test_ghost_refuses_gradient_sync_off_on_one_unit_only(two_ranks):
+    for rank in two_ranks:
+        verdict_, message = rank["sync_off"]
+        assert verdict_ == "refused" and "gradient sync off" in message, message
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "per_sample"])
+def test_a_unit_kept_gathered_after_the_backward_is_refused_in_one_sentence(two_ranks, mode):
+    for rank in two_ranks:
+        verdict_, message = rank["kept_gathered"][mode]
+        assert verdict_ == "refused" and "set_reshard_after_backward" in message, message
+
+
+def test_a_block_tied_to_a_module_outside_it_is_left_to_the_root_unit():
+    # BERT's word embeddings (their own FSDP2 unit) are tied to the masked-LM decoder (the root's): FSDP2 cannot
+    # hold one parameter in two units, so finetune leaves that block to the root (session-25 red team)
+    from dptext.finetune.sharding import transformer_blocks
+
+    model = build("tiny")
+    assert transformer_blocks(model) == list(model.blocks)
+    model.extra = nn.Linear(6, 6)
+    model.extra.weight = model.blocks[1].fc.weight
+    assert transformer_blocks(model) == [model.blocks[0]]
 
 
 def test_ranks_whose_reports_differ_say_so(two_ranks):

@@ -27,13 +27,22 @@ from dptext.privacy.sharding.fsdp_controls import check_ghost_supported
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks to shard one by one: the model's ``_no_split_modules`` classes (Hugging Face's own
-    list of blocks), else the entries of its longest ``nn.ModuleList``."""
+    list of blocks), else the entries of its longest ``nn.ModuleList``; a block that shares a parameter with a
+    module outside it (BERT's word embeddings, tied to the masked-LM decoder) is left to the root's unit, since
+    FSDP2 cannot hold one parameter in two units."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
-    if blocks:
-        return blocks
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
+    if not blocks:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        blocks = list(max(lists, key=len)) if lists else []
+    return [block for block in blocks if not _shares_outside(model, block)]
+
+
+def _shares_outside(model: nn.Module, block: nn.Module) -> bool:
+    inside = set(block.modules())
+    own = {id(param) for param in block.parameters()}
+    return any(id(param) in own for module in model.modules() if module not in inside
+               for param in module.parameters(recurse=False))
 
 
 def mixed_precision(precision: str, device: torch.device) -> Any:

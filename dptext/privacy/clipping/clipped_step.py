@@ -20,7 +20,8 @@ from torch import Tensor
 
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
-from dptext.privacy.sharding.fsdp_controls import check_still_summing, gradient_sync_off, local_grads
+from dptext.privacy.sharding.fsdp_controls import (check_resharded_after_backward, check_still_summing,
+                                                  gradient_sync_off, local_grads)
 from dptext.privacy.sharding.row_reduce import reduce_in_chunks
 from dptext.privacy.proof.step_checks import check_invariant, checked_uses
 from dptext.privacy.clipping.units import UnitIndex, unit_gradients_instantiated
@@ -54,6 +55,12 @@ def units_of_rows(uses: list, units: UnitIndex | None) -> int:
 def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = None) -> Tensor:
     """Book-keeping and per_sample, after the one backward pass: returns the (B,) per-example norms (with
     ``units``, the per-unit norms)."""
+    if _sharded(engine):
+        try:
+            check_resharded_after_backward(engine.model)
+        except UserError:
+            engine.recorder.take_uses()
+            raise
     uses = checked_uses(engine, per_example_loss)
     if uses is None:  # refused on this rank (several processes): raised on every rank at the step
         if _sharded(engine):

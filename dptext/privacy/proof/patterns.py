@@ -28,9 +28,12 @@ import re
 from typing import Any
 
 from torch import nn
+from torch.nn.modules import module as module_globals
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 HOOK_STORES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+GLOBAL_HOOK_STORES = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                      "_global_backward_pre_hooks")
 
 
 def pattern_name(name: str) -> str:
@@ -40,8 +43,10 @@ def pattern_name(name: str) -> str:
 
 def _instance_code(module: nn.Module, own_hooks: set[int]) -> bool:
     """True if this instance runs code its class does not: a replaced forward or a hook not the engine's nor
-    FSDP2's (hooks are keyed by their handle's id in these dicts; torch has no public way to list them)."""
-    if "forward" in vars(module):
+    FSDP2's (hooks are keyed by their handle's id in these dicts; torch has no public way to list them), or a
+    global module hook, which runs on every module's call and may act on one of them only (a session-25 red team
+    hid a second use of one layer's weight behind its pattern-mate that way)."""
+    if "forward" in vars(module) or any(getattr(module_globals, store) for store in GLOBAL_HOOK_STORES):
         return True
     return any(key not in own_hooks and not _fsdp_pass_hook(hook)
                for store in HOOK_STORES for key, hook in getattr(module, store).items())

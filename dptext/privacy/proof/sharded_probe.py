@@ -196,8 +196,9 @@ def check_same_batch(engine, batch: dict) -> None:
         raise UserError(DIFFERENT_BATCHES)
 
 
-def agreed(table: list[dict[str, str]]) -> str | None:
-    """None when every rank's probe report is ``table``'s, else the first difference in words."""
+def agreed(table) -> str | None:
+    """None when every rank's probe report is ``table``'s (its rows, and whether it found a problem with the loss
+    or the state), else the first difference in words."""
     tables: list = [None] * dist.get_world_size()
     dist.all_gather_object(tables, table)
     for rank, other in enumerate(tables):

@@ -152,7 +152,8 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
         if view is not None and half_gathered(model) is not None:
             raise UserError(HALF.format(half_gathered(model)))
         report = _probe(engine, make_batch, loss_fn, shapes, None if view is not None else dtype, cut_stacks)
-        problem = agreed(report.table()) if view is not None else None
+        problem = agreed((report.table(), bool(report.loss_problem), bool(report.state_problem))) \
+            if view is not None else None
     if problem is not None:
         raise UserError(DISAGREE.format(problem))
     return report

@@ -22,6 +22,19 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
 SUM_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params")
 
 
+def check_resharded_after_backward(model: nn.Module) -> None:
+    """Book-keeping and per_sample find each layer's parameter through its module after the backward, where FSDP2
+    has put the shard back; a unit kept gathered (``set_reshard_after_backward(False)``, half of FSDP2's gradient
+    accumulation idiom) still holds the whole parameter there, whose sums would be dropped (found by the session-25
+    red team): refused in one sentence, on every rank alike (the setting is the same on each)."""
+    for module in fsdp_modules(model):
+        if any(not group.reshard_after_backward for group in module._get_fsdp_state()._fsdp_param_groups):
+            raise UserError(f"FSDP2 keeps '{type(module).__name__}' gathered after the backward pass "
+                            "(set_reshard_after_backward(False)), which book-keeping and per_sample clipping under "
+                            "sharding do not follow; leave it on (gradient sync alone may be turned off between "
+                            "micro-batches) or use privacy.clipping_mode=ghost.")
+
+
 def check_ghost_supported() -> None:
     """Ghost clipping under FSDP2 needs FSDP2's reduce-scatter set to a plain sum (``sum_in_backward``)."""
     from torch.distributed.fsdp import FSDPModule
@@ -92,7 +105,10 @@ def check_still_summing(model: nn.Module) -> None:
                 raise UserError("FSDP2's gradient reduction on this model was changed after the privacy engine set "
                                 "it to a plain sum of every parameter, so ghost clipping's sums would be wrong; leave "
                                 "the reduction settings alone while the engine is attached (detach() it first).")
-            changed = reduction_changed(group)
+            changed = reduction_changed(group) or (
+                "gradient sync off on this unit only" if not group.reduce_grads and any(
+                    other.reduce_grads for each in fsdp_modules(model)
+                    for other in each._get_fsdp_state()._fsdp_param_groups) else None)
             if changed:
                 raise UserError(f"FSDP2 reduces the gradients of '{type(module).__name__}' with {changed}, so ghost "
                                 "clipping's clipped sums (which FSDP2 reduces) would not be their plain sum; remove "
