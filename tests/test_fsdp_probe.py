@@ -283,6 +283,65 @@ def kept_gathered(ctx, mode: str) -> tuple:
     return said(lambda: moves(model, engine, token_ids()[ctx.shard(N)]))
 
 
+def ghost_steps(ctx, case: str):
+    """Ghost clipping when FSDP2 holds sums back (gradient sync off for a backward; session-25 red team round 4):
+    "across": the step after a sync-off micro-batch is refused and drops the batch, so the next step holds only its
+    own; "idiom": sync off for the first micro-batch of a step and on for the last (FSDP2's accumulation idiom)
+    is exact; "dropped": zero_grad() after a sync-off micro-batch drops what FSDP2 held. Returns the refusal (if
+    any) and the final step's moves."""
+    model = shard(build("tiny"), ctx)
+    engine = engine_for(model, "ghost", ctx)
+    engine.verify(make_batch, probe_loss)
+    ids = token_ids()[ctx.shard(N)]
+    first, second = ids[:3], ids[3:]
+    before = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    model.set_requires_gradient_sync(False)
+    engine.accumulate(losses(model, first))
+    refused = ""
+    if case == "across":
+        refused = said(engine.step)
+        model.set_requires_gradient_sync(True)
+    elif case == "dropped":
+        engine.zero_grad()
+        model.set_requires_gradient_sync(True)
+    else:
+        model.set_requires_gradient_sync(True)
+    engine.accumulate(losses(model, second))
+    engine.step()
+    return refused, {name: full(p).detach() - before[name] for name, p in model.named_parameters()}
+
+
+def one_process_ghost_moves(indices) -> dict:
+    """-(the clipped sum of ``indices`` on every rank's shard) / B, in one process (what ghost_steps must equal)."""
+    model = build("tiny")
+    engine = engine_for(model, "ghost")
+    per_rank = [token_ids()[list(range(rank, N, 2))] for rank in range(2)]
+    ids = torch.cat([each[indices] for each in per_rank])
+    return moves(model, engine, ids)
+
+
+def gradient_hook(ctx=None) -> tuple:
+    """A hook rescaling one trained parameter's accumulated gradient: ghost's sums pass through it."""
+    model = shard(build("tiny"), ctx)
+    model.blocks[1].fc.weight.register_post_accumulate_grad_hook(lambda param: param.grad.mul_(1.5))
+    return said(lambda: engine_for(model, "ghost", ctx).verify(make_batch, probe_loss))
+
+
+def sync_off_after_the_probe(ctx) -> tuple:
+    """Ghost, proven, then gradient sync turned off on block 1 only: that unit's sums would never be reduced."""
+    model = shard(build("tiny"), ctx)
+    engine = engine_for(model, "ghost", ctx)
+    engine.verify(make_batch, probe_loss)
+    model.blocks[1].set_requires_gradient_sync(False, recurse=False)
+    return said(lambda: engine.accumulate(losses(model, token_ids()[ctx.shard(N)])))
+
+
+def sync_off_probe(ctx) -> tuple:
+    model = shard(build("tiny"), ctx)
+    model.set_requires_gradient_sync(False)
+    return said(lambda: engine_for(model, "ghost", ctx).verify(make_batch, probe_loss))
+
+
 def disagreement(ctx) -> str | None:
     from dptext.privacy.proof.sharded_probe import agreed
 
@@ -307,6 +366,10 @@ def worker(out: Path) -> None:
         "global_hook": global_hook(ctx),
         "sync_off": sync_off_on_one_unit(ctx),
         "kept_gathered": {mode: kept_gathered(ctx, mode) for mode in ("bookkeeping", "per_sample")},
+        "held": {case: ghost_steps(ctx, case) for case in ("across", "idiom", "dropped")},
+        "gradient_hook": gradient_hook(ctx),
+        "sync_off_probe": sync_off_probe(ctx),
+        "sync_off_after": sync_off_after_the_probe(ctx),
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -365,10 +428,29 @@ def test_bf16_gathered_weights_are_refused_in_one_sentence(two_ranks, stored):
         assert verdict_ == "refused" and "in fp32 before fully_shard" in message, message
 
 
-def test_a_foreign_hook_bound_to_fsdp2s_state_is_still_foreign_code(two_ranks):
+REFUSALS = {  # the worker's case -> words of its one sentence, on every rank
+    "disguised": "blocks.1.fc",  # a foreign hook bound to FSDP2's state is still foreign code
+    "global_random": "differs between the ranks",  # batches drawn from the global state, seeded apart per rank
+    "global_hook": "blocks.1.fc",  # a global module hook on one layer does not hide behind its pattern-mate
+    "sync_off": "sync is off",  # ghost, sync off on one unit: the probe's own check (any unit)
+    "sync_off_probe": "Gradient sync is off",  # ghost, sync off everywhere during the probe
+    "sync_off_after": "gradient sync off on this unit only",  # ghost, one unit's sync turned off after the probe
+    "gradient_hook": "gradient hook",  # ghost, a hook rescaling one trained parameter's gradient
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_the_sharded_probe_and_step_refuse_in_one_sentence_on_every_rank(two_ranks, case):
     for rank in two_ranks:
-        verdict_, message = rank["disguised"]
-        assert verdict_ == "refused" and "blocks.1.fc" in message, message
+        verdict_, message = rank[case]
+        assert verdict_ == "refused" and REFUSALS[case] in message, message
+
+
+@pytest.mark.parametrize("check, words", [(global_hook, "blocks.1.fc"), (gradient_hook, "gradient hook")],
+                         ids=["global_hook", "gradient_hook"])
+def test_one_process_refuses_a_global_hook_and_a_gradient_hook_alike(check, words):
+    verdict_, message = check()
+    assert verdict_ == "refused" and words in message, message
 
 
 @pytest.mark.parametrize("change, words", [("hook", "set_all_reduce_hook"), ("bf16", "reduce dtype")])
@@ -378,31 +460,28 @@ def test_ghost_refuses_a_reduction_fsdp2_changes_on_one_unit(two_ranks, change, 
         assert verdict_ == "refused" and words in message, message
 
 
-def test_a_batch_that_differs_between_ranks_is_refused_in_one_sentence(two_ranks):
-    for rank in two_ranks:
-        verdict_, message = rank["global_random"]
-        assert verdict_ == "refused" and "differs between the ranks" in message, message
-
-
-def test_a_global_hook_on_one_layer_does_not_hide_behind_its_pattern_mate(two_ranks):
-    single = global_hook()
-    assert single[0] == "refused" and "blocks.1.fc" in single[1], single
-    for rank in two_ranks:
-        verdict_, message = rank["global_hook"]
-        assert verdict_ == "refused" and "blocks.1.fc" in message, message
-
-
-def test_ghost_refuses_gradient_sync_off_on_one_unit_only(two_ranks):
-    for rank in two_ranks:
-        verdict_, message = rank["sync_off"]
-        assert verdict_ == "refused" and "gradient sync off" in message, message
-
-
 @pytest.mark.parametrize("mode", ["bookkeeping", "per_sample"])
 def test_a_unit_kept_gathered_after_the_backward_is_refused_in_one_sentence(two_ranks, mode):
     for rank in two_ranks:
         verdict_, message = rank["kept_gathered"][mode]
         assert verdict_ == "refused" and "set_reshard_after_backward" in message, message
+
+
+def test_ghost_never_lets_fsdp2_carry_clipped_sums_into_another_step(two_ranks):
+    for rank in two_ranks:
+        refused, got = rank["held"]["across"]
+        assert refused[0] == "refused" and "still holds clipped sums" in refused[1], refused
+        for name, move in one_process_ghost_moves(slice(3, None)).items():  # the second step: its own batch only
+            torch.testing.assert_close(got[name], move, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case, rows", [("idiom", slice(None)), ("dropped", slice(3, None))])
+def test_ghost_with_fsdp2s_accumulation_idiom_or_a_dropped_batch_is_exact(two_ranks, case, rows):
+    for rank in two_ranks:
+        refused, got = rank["held"][case]
+        assert refused == ""
+        for name, move in one_process_ghost_moves(rows).items():
+            torch.testing.assert_close(got[name], move, rtol=1e-5, atol=1e-7)
 
 
 def test_a_block_tied_to_a_module_outside_it_is_left_to_the_root_unit():
@@ -415,6 +494,9 @@ def test_a_block_tied_to_a_module_outside_it_is_left_to_the_root_unit():
     model.extra = nn.Linear(6, 6)
     model.extra.weight = model.blocks[1].fc.weight
     assert transformer_blocks(model) == [model.blocks[0]]
+    repeated = build("tiny")
+    repeated.blocks = nn.ModuleList([repeated.blocks[0], repeated.blocks[0]])  # one instance listed twice
+    assert transformer_blocks(repeated) == [repeated.blocks[0]]
 
 
 def test_ranks_whose_reports_differ_say_so(two_ranks):

@@ -35,7 +35,8 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     if not blocks:
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
         blocks = list(max(lists, key=len)) if lists else []
-    return [block for block in blocks if not _shares_outside(model, block)]
+    return [block for block in dict.fromkeys(blocks) if not _shares_outside(model, block)]  # a block listed twice
+    # (one instance repeated in a ModuleList) is wrapped once
 
 
 def _shares_outside(model: nn.Module, block: nn.Module) -> bool:

@@ -130,8 +130,7 @@ def add_checked(engine, sums, norms_sq, norms, units: int) -> None:
 
 def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = None) -> Tensor:
     """Ghost clipping's two passes; returns the (B,) per-example norms (with ``units``, the per-unit norms)."""
-    if _sharded(engine):
-        _check_summing(engine)
+    _check_summing(engine) if _sharded(engine) else _checked(engine, check_no_gradient_hooks)
     if not engine.recorder.outputs():  # before the graph walk, which would blame a parameter for it
         engine.recorder.take_uses()
         raise UserError(NOTHING_RECORDED)
@@ -193,9 +192,27 @@ def ghost_join(engine, per_example_loss: Tensor) -> None:
 
 
 def _check_summing(engine) -> None:
-    """FSDP2 still sums (``fsdp_controls.check_still_summing``); refused, the forward's records are dropped."""
+    """FSDP2 still sums (``fsdp_controls.check_still_summing``) and no gradient hook rescales the sums; refused,
+    the forward's records are dropped."""
+    _checked(engine, lambda checked: (check_still_summing(checked.model), check_no_gradient_hooks(checked)))
+
+
+def check_no_gradient_hooks(engine) -> None:
+    """Ghost clipping takes its clipped sums from autograd's ``.grad``: a hook on a trained parameter's gradient
+    (``register_hook``, ``register_post_accumulate_grad_hook``) would rescale them after clipping (a session-25 red
+    team's ×1.5 on one block went unseen behind its pattern-mate)."""
+    for param in engine.params:
+        if getattr(param, "_backward_hooks", None) or getattr(param, "_post_accumulate_grad_hooks", None):
+            name = engine.dp_optimizer.param_names.get(param, tuple(param.shape))
+            raise UserError(f"Parameter '{name}' has a gradient hook (register_hook or "
+                            "register_post_accumulate_grad_hook), through which ghost clipping's clipped sums would "
+                            "pass after clipping; remove it, or use privacy.clipping_mode=bookkeeping.")
+
+
+def _checked(engine, check) -> None:
+    """``check(engine)``; refused, the forward's records are dropped first."""
     try:
-        check_still_summing(engine.model)
+        check(engine)
     except UserError:
         engine.recorder.take_uses()
         engine.outside_reads.clear()

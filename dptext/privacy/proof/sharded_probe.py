@@ -24,12 +24,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dptext.errors import UserError
+from dptext.privacy.sharding.fsdp_controls import sync_off
 from dptext.privacy.sharding.row_reduce import local_rows
 from dptext.privacy.sharding.sharded import is_sharded
 
 DIFFERENT_BATCHES = ("The start-up probe's synthetic batch differs between the ranks, so their proofs would be of "
                      "different batches; draw it from the generator make_batch is given (not from the global random "
                      "state, which each rank seeds apart).")
+SYNC_OFF = ("Gradient sync is off on this FSDP2 model, so ghost clipping's sums in the start-up probe would not be "
+            "reduced; turn it on (set_requires_gradient_sync(True)) before the probe (engine.verify() or the first "
+            "training forward).")
 DISAGREE = ("The start-up probe reached different verdicts on different ranks ({}), so it proves nothing about "
             "the sharded model; check that every rank builds the same model and runs the same code.")
 HALF = ("The start-up probe on a sharded model runs in the precision FSDP2 gathers the weights in, and this model's "
@@ -109,6 +113,8 @@ def sharded_view(engine, model: nn.Module):
     if not any(is_sharded(param) for param in engine.params):
         yield None
         return
+    if engine.clipping_mode == "ghost" and sync_off(model):
+        raise UserError(SYNC_OFF)
     gathered = gathered_parameters(model)  # every unit resharded after it: the names give the shards
     planned = {(module, name): module.get_parameter(name) for module, (_, names) in engine.tracked.items()
                for name in names}

@@ -115,6 +115,36 @@ def check_still_summing(model: nn.Module) -> None:
                                 "it while the engine is attached, or use privacy.clipping_mode=bookkeeping.")
 
 
+def sync_off(model: nn.Module) -> bool:
+    """Whether gradient sync is off on some FSDP2 unit (``set_requires_gradient_sync(False)``)."""
+    return any(not group.reduce_grads for module in fsdp_modules(model)
+               for group in module._get_fsdp_state()._fsdp_param_groups)
+
+
+def held_gradients(model: nn.Module) -> bool:
+    """Whether FSDP2 holds gradients it has not reduce-scattered (gradient sync was off for a backward): in ghost
+    clipping those are clipped sums that a later reduce-scatter would release into another step's update."""
+    for module in fsdp_modules(model):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                whole = getattr(param, "_unsharded_param", None)
+                if getattr(param, "unsharded_accumulated_grad", None) is not None or (
+                        whole is not None and whole.grad is not None):
+                    return True
+    return False
+
+
+def drop_held_gradients(model: nn.Module) -> None:
+    """Forget what ``held_gradients`` finds (a logical batch dropped with ``zero_grad`` drops them too)."""
+    for module in fsdp_modules(model):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                whole = getattr(param, "_unsharded_param", None)
+                if whole is not None:
+                    whole.grad = None
+
+
 PLAIN_REDUCE_SCATTER = ("DefaultReduceScatter", "ProcessGroupAllocReduceScatter", "SymmMemReduceScatter")  # torch's
 # own: they differ in where the buffers are allocated, not in what is summed
 

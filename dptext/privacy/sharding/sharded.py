@@ -40,12 +40,15 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 from dptext.privacy.clipping.sums import invariant_tolerance, judge_squared_sums
-from dptext.privacy.sharding.fsdp_controls import sum_in_backward
+from dptext.privacy.sharding.fsdp_controls import drop_held_gradients, held_gradients, sum_in_backward
 from dptext.privacy.sharding.row_reduce import local_rows, reduce_in_chunks, sum_chunks
 from dptext.privacy.noise.optimizer import DPOptimizer
 from dptext.privacy.noise.randomness import RandomRoot
 from dptext.privacy.proof.step_checks import invariant_failed
 
+HELD = ("FSDP2 still holds clipped sums of this batch that it has not reduced (gradient sync was off for the last "
+        "backward pass), which a later step would release into its own update; turn gradient sync back on for the "
+        "last micro-batch of each step (set_requires_gradient_sync(True)); the batch was dropped.")
 BLOCK = 1 << 16  # coordinates per noise block: a block's generator is seeded once per step
 SHARDED_STREAM = 1 << 20  # the noise child's stream for sharded noise, apart from the per-device streams
 
@@ -119,7 +122,7 @@ class ShardedDPOptimizer(DPOptimizer):
     rows, the result set as each parameter's sharded gradient."""
 
     def __init__(self, *args, rank: int, world_size: int, chunks: list[list[nn.Parameter]],
-                 layout: str = "all_layer", restore=None, **kwargs):
+                 layout: str = "all_layer", restore=None, ghost_model: nn.Module | None = None, **kwargs):
         """``chunks``: the groups of whole layers whose clipped sums are reduce-scattered together
         (``row_reduce.sum_chunks``); ``layout``: the clipping layout, for the step's bound; ``restore`` (ghost,
         from ``sum_in_backward``) gives FSDP2 back its own reduction on ``release``."""
@@ -127,6 +130,7 @@ class ShardedDPOptimizer(DPOptimizer):
         self.rank, self.world_size = rank, world_size
         self.chunks, self.layout = chunks, layout
         self.restore = restore
+        self.ghost_model = ghost_model  # ghost: FSDP2 reduces the sums, and may hold some back (sync off)
         self.reduced: dict[nn.Parameter, Tensor] = {}
 
     def add_clipped_sums(self, sums: dict[nn.Parameter, Tensor], units: int) -> None:
@@ -163,6 +167,9 @@ class ShardedDPOptimizer(DPOptimizer):
 
     def privatized_grads(self) -> dict[nn.Parameter, Tensor]:
         """(this rank's rows of Σ_ranks Σ_i ḡ_i + its own rows of N(0, σ²C²)) / B, as local fp32 tensors."""
+        if self.ghost_model is not None and self.any_rank(held_gradients(self.ghost_model), self.device()):
+            self.zero_grad()  # FSDP2 still holds clipped sums of this batch (gradient sync off for its last
+            raise UserError(HELD)  # backward): released at a later step they would sit in two steps' updates
         self.collective_verdict()
         self.noise.reseed_if_secure()
         std = self.noise_multiplier * self.max_grad_norm
@@ -194,6 +201,8 @@ class ShardedDPOptimizer(DPOptimizer):
     def zero_grad(self) -> None:
         super().zero_grad()
         self.reduced = {}
+        if self.ghost_model is not None:
+            drop_held_gradients(self.ghost_model)
 
     def accumulated(self) -> dict[nn.Parameter, Tensor]:
         """This rank's rows of Σ_ranks of the clipped sums accumulated so far (the start-up probe reads them)."""
@@ -228,6 +237,7 @@ def sharded_optimizer(engine, optimizer: torch.optim.Optimizer, secure_rng: bool
                               engine.expected_batch_size, noise, rank=context.rank, world_size=context.world_size,
                               chunks=sum_chunks(engine.tracked, engine.params), layout=engine.clipping_layout,
                               restore=sum_in_backward(engine.model) if ghost else None,
+                              ghost_model=engine.model if ghost else None,
                               any_rank=context.any_rank)
 
 
