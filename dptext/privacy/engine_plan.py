@@ -41,6 +41,7 @@ def install_plan(engine, prove_first_hook: Callable) -> None:
     prove_first = engine.model.register_forward_pre_hook(prove_first_hook, prepend=True)
     engine.recorder = UseRecorder(engine.model, engine.tracked, keep_outputs=engine.clipping_mode == "ghost",
                                   names=engine.names)
+    engine.recorder.global_hooks = engine.global_hooks
     engine.recorder.add_handle(prove_first)
     engine.planned_dtypes = {param: param.dtype for param in engine.params}  # what the probe proved
     engine.planned_names = {name for name, param in engine.model.named_parameters(remove_duplicate=False)

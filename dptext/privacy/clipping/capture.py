@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
+from dptext.privacy.clipping.call_checks import foreign_code_at_call
 from dptext.privacy.clipping.use import Use
 from dptext.privacy.proof.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, in_graph, tensors_in
 from dptext.privacy.norms import MODEL_PATCHES
@@ -95,6 +96,7 @@ class UseRecorder:
         # the hybrid's pass 1 (``clipping/hybrid.py``): called with each use as its output gradient arrives, it may
         # take the use's norm there and release its tensors (a layer under the ghost treatment)
         self.norm_in_hook = None
+        self.global_hooks: tuple | None = None  # torch's global module hooks at the plan (``engine_plan``)
         self.names = names or {module: name for name, module in root.named_modules()}
         self._handles = [root.register_forward_pre_hook(self._on_model_call, with_kwargs=True),
                          root.register_forward_hook(self._on_model_return)]
@@ -245,6 +247,8 @@ class UseRecorder:
     def _new_use(self, module: nn.Module, rule: Any, names: tuple, kept: Any, output: Tensor, grad_view=None) -> Use:
         use = Use(module, rule, names, kept, output=output, version=output._version,
                   kept_versions=tuple((x, x._version) for x in tensors_in(kept)))
+        if not self.probing:  # (the probe's own hooks and mode are on while it runs)
+            use.problem = foreign_code_at_call(module, self.hook_keys[module], self.global_hooks)
         hooked, reshape = gradient_site(output)
         if hooked is output and output._base is not None:
             use.output_ref = weakref.ref(output)  # a hook on a view is bypassed if the view changes in place

@@ -53,12 +53,12 @@ def _untrusted(engine, uses: list, per_example_loss: Tensor) -> UserError | None
                          "(not under torch.no_grad) before this step?")
     for use in uses:
         name = engine.names.get(use.module, type(use.module).__name__)
+        if not recorder.probing and recorder.hooks_changed(use.module):  # (before the use's own problem, which
+            return UserError(f"Forward hooks of layer '{name}' changed after the privacy engine planned its "  # says
+                             "clipping; call engine.replan() (it re-runs the probe) after adding hooks.")  # it too)
         if use.problem:
             return UserError(f"Layer '{name}' ({type(use.module).__name__}) cannot be clipped exactly: "
                              f"{use.problem}; freeze it, train it through LoRA, or change the model.")
-        if not recorder.probing and recorder.hooks_changed(use.module):
-            return UserError(f"Forward hooks of layer '{name}' changed after the privacy engine planned its "
-                             "clipping; call engine.replan() (it re-runs the probe) after adding hooks.")
         if use.module in engine.unproven and use.module not in recorder.verified and not recorder.probing:
             return UserError(f"Layer '{name}' ({type(use.module).__name__}) needs the start-up probe because "
                              f"{engine.unproven[use.module]}; run engine.verify() (privacy.verify) or freeze it.")
