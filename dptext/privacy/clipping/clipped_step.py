@@ -56,11 +56,7 @@ def clip_recorded(engine, per_example_loss: Tensor, units: UnitIndex | None = No
     """Book-keeping and per_sample, after the one backward pass: returns the (B,) per-example norms (with
     ``units``, the per-unit norms)."""
     if _sharded(engine):
-        try:
-            check_resharded_after_backward(engine.model)
-        except UserError:
-            engine.recorder.take_uses()
-            raise
+        _checked(engine, lambda checked: check_resharded_after_backward(checked.model))
     uses = checked_uses(engine, per_example_loss)
     if uses is None:  # refused on this rank (several processes): raised on every rank at the step
         if _sharded(engine):

@@ -22,7 +22,7 @@ from dptext.privacy.proof.independence import (_first_tensor, check_loss_indepen
                                                plain_loss, same_values)
 from dptext.privacy.proof.hooked_forward import OUTSIDE_READ, engine_forward
 from dptext.privacy.proof.reference import Reference, reference_gradients, squared_distance, squared_norm
-from dptext.privacy.proof.sharded_probe import anywhere, planned, view_of
+from dptext.privacy.proof.sharded_probe import anywhere, planned, shard_of, view_of
 
 RTOL = 1e-3  # the rules form norms in fp32; a missed path is off by far more
 DIFFER = " differ from brute-force per-example autograd on the probe (a path or a layout its rule does not describe)"
@@ -142,14 +142,14 @@ def probe_one(engine, report, batch, loss_fn, device, redraw, decided_by) -> Non
 
     # The hooked forward is also the probe's training forward: buffers it changes and the loss's shape are checked
     # on it (a separate plain forward for them cost two of the probe's ~26 passes over the model).
-    shard_of = view_of(engine).shard_of if view_of(engine) is not None else None
-    before = buffer_snapshot(engine.model, shard_of)
+    shards = shard_of(engine)
+    before = buffer_snapshot(engine.model, shards)
     forward = engine_forward(engine, report, batch, loss_fn, device)  # under sharding every rank takes each early
     if anywhere(engine, forward is None):  # stop below if any rank does (``sharded_probe.anywhere``)
         engine.recorder.take_uses()
         return stop()
     loss, uses = forward
-    changed = changed_buffer(engine.model, before, shard_of)
+    changed = changed_buffer(engine.model, before, shards)
     if anywhere(engine, changed is not None):
         report.state_problem = BUFFER_CHANGED.format(changed or ELSEWHERE)
         engine.recorder.take_uses()

@@ -10,7 +10,7 @@ from torch import nn
 
 from dptext.errors import UserError
 from dptext.models.modes import training_modes
-from dptext.privacy.proof.sharded_probe import ShardedView, all_zero_on_every_rank
+from dptext.privacy.proof.sharded_probe import all_zero_on_every_rank, own_rows
 from dptext.privacy.sharding.sharded import is_sharded
 
 
@@ -57,10 +57,10 @@ def drawn_zero_parameters(params: list[nn.Parameter]):
             scale = param.shape[-1] ** -0.5 if param.ndim > 1 else 0.02
             drawn = torch.randn(param.shape, generator=generator, dtype=torch.float64) * scale
             if is_sharded(param):  # every rank draws the whole tensor alike and writes its own rows in place
-                rows = ShardedView({}, torch.distributed.get_rank(), torch.distributed.get_world_size())
+                mine = own_rows(drawn, param, torch.distributed.get_rank(), torch.distributed.get_world_size())
                 with torch.no_grad():
                     saved.append((param, param.to_local().clone()))
-                    param.to_local().copy_(rows.rows(drawn, param))
+                    param.to_local().copy_(mine)
                 continue
             saved.append((param, param.data))
             param.data = drawn.to(device=param.device, dtype=param.dtype)

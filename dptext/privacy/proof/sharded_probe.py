@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.sharding.fsdp_controls import sync_off
+from dptext.privacy.sharding.fsdp_controls import fsdp_modules, sync_off
 from dptext.privacy.sharding.row_reduce import local_rows
 from dptext.privacy.sharding.sharded import is_sharded
 
@@ -52,10 +52,9 @@ class ShardedView:
     world_size: int
     planned: dict[tuple[nn.Module, str], Tensor] = field(default_factory=dict)  # (layer, name) -> its shard
 
-    @property
-    def shard_of(self) -> dict[int, Tensor]:
-        """id(unsharded parameter) -> its shard: what a module holds between a forward and its backward."""
-        return {id(whole): shard for shard, whole in self.gathered.items()}
+    def __post_init__(self) -> None:
+        # id(unsharded parameter) -> its shard: what a module holds between a forward and its backward
+        self.shard_of = {id(whole): shard for shard, whole in self.gathered.items()}
 
     def target(self, param: Tensor) -> Tensor:
         """The tensor the layers compute with: the unsharded parameter of a shard, else ``param`` itself."""
@@ -63,8 +62,7 @@ class ShardedView:
 
     def rows(self, whole: Tensor, param: Tensor) -> Tensor:
         """This rank's rows of ``whole``, a tensor of ``param``'s unsharded shape (FSDP2's Shard(0) layout)."""
-        first, count = local_rows(param, self.rank, self.world_size)
-        return whole[first:first + count] if whole.ndim else whole
+        return own_rows(whole, param, self.rank, self.world_size)
 
     def total(self, value: Tensor) -> Tensor:
         """``value`` summed over the ranks (a (1,) fp64 tensor)."""
@@ -72,18 +70,25 @@ class ShardedView:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
 
-    def any(self, flag: bool, device: torch.device) -> bool:
-        """Whether ``flag`` holds on any rank: where the probe stops early, every rank stops (each pass is a
-        collective, so a rank that went on alone would wait for the others for ever)."""
-        box = torch.tensor([1.0 if flag else 0.0], device=device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return bool(box.item() > 0)
+
+def own_rows(whole: Tensor, param: Tensor, rank: int, world_size: int) -> Tensor:
+    """``rank``'s rows of ``whole``, a tensor of sharded ``param``'s whole shape (FSDP2's Shard(0) layout)."""
+    first, count = local_rows(param, rank, world_size)
+    return whole[first:first + count] if whole.ndim else whole
+
+
+def shard_of(engine) -> dict[int, Tensor] | None:
+    """Under sharding, id(gathered parameter) -> its shard (``buffers``' fingerprints follow the shards)."""
+    view = view_of(engine)
+    return view.shard_of if view is not None else None
 
 
 def anywhere(engine, flag: bool) -> bool:
-    """``flag`` on this rank, or on any rank under sharding (``ShardedView.any``)."""
-    view = view_of(engine)
-    return view.any(flag, engine.params[0].device) if view is not None else flag
+    """``flag`` on this rank, or under sharding on any rank: where the probe stops early, every rank stops (each
+    pass is a collective, so a rank that went on alone would wait for the others for ever)."""
+    if view_of(engine) is None:
+        return flag
+    return engine.distributed.any_rank(flag, engine.params[0].device)
 
 
 @contextmanager
@@ -93,7 +98,7 @@ def gathered_unit(engine, module: nn.Module):
     if view_of(engine) is None:
         yield
         return
-    units = [unit for unit in fsdp_units(engine.model) if any(m is module for m in unit.modules())]
+    units = [unit for unit in fsdp_modules(engine.model) if any(m is module for m in unit.modules())]
     unit = min(units, key=lambda each: sum(1 for _ in each.modules()))  # the innermost unit holding it
     unit.unshard()
     try:
@@ -126,15 +131,8 @@ def sharded_view(engine, model: nn.Module):
         del engine.probe_view
         for param in without_grad:  # FSDP2 reduce-scatters zeros into unused parameters' shards in ghost mode
             param.grad = None       # (``set_reduce_scatter_unused_params``) after each reference backward
-        for unit in fsdp_units(model):  # a forward without backward leaves the root gathered: give its rows back
+        for unit in fsdp_modules(model):  # a forward without backward leaves the root gathered: give its rows back
             unit.reshard()
-
-
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The modules ``fully_shard`` wrapped, the root first."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
 def planned(engine, module: nn.Module, name: str) -> Tensor:
@@ -150,7 +148,7 @@ def gathered_parameters(model: nn.Module) -> dict[Tensor, nn.Parameter]:
     resharded in turn, so at most one unit's weights are whole at a time. FSDP2 keeps these objects from one
     pass to the next (``tests/test_fsdp_probe.py`` checks it), which is what lets the probe name them here."""
     found: dict[Tensor, nn.Parameter] = {}
-    for unit in fsdp_units(model):
+    for unit in fsdp_modules(model):
         before = dict(unit.named_parameters(remove_duplicate=False))
         unit.unshard()
         try:
@@ -167,9 +165,8 @@ def half_gathered(model: nn.Module) -> torch.dtype | None:
     """bf16 or fp16 if FSDP2 gathers some of the weights in it (its mixed-precision policy, or weights stored so),
     else None."""
     half = (torch.float16, torch.bfloat16)
-    for module in model.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        policy = getattr(state(), "_mp_policy", None) if state is not None else None
+    for module in fsdp_modules(model):
+        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
         if policy is not None and policy.param_dtype in half:
             return policy.param_dtype
     return next((p.dtype for p in model.parameters() if p.dtype in half), None)

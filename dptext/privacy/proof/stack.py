@@ -24,7 +24,7 @@ from torch import nn
 
 from dptext.privacy.proof.patterns import _instance_code, instance_settings
 from dptext.privacy.proof.buffers import BUFFER_CHANGED, buffer_snapshot, changed_buffer
-from dptext.privacy.proof.sharded_probe import view_of
+from dptext.privacy.proof.sharded_probe import shard_of
 from dptext.privacy.proof.hooked_forward import engine_forward
 from dptext.privacy.proof.probe_checks import loss_shape_problem
 
@@ -99,14 +99,14 @@ def applied(cut: Cut | None):
 def check_whole_forward(engine, report, batch, loss_fn, device) -> None:
     """One hooked forward of the whole model on ``batch``: what the recorder and the forward checks see per layer
     and per model (the module docstring); nothing is accumulated."""
-    shard_of = view_of(engine).shard_of if view_of(engine) is not None else None
-    before = buffer_snapshot(engine.model, shard_of)
+    shards = shard_of(engine)
+    before = buffer_snapshot(engine.model, shards)
     forward = engine_forward(engine, report, batch, loss_fn, device)
     engine.recorder.take_uses()  # no backward follows
     if forward is None:
         return
     loss, _ = forward
-    changed = changed_buffer(engine.model, before, shard_of)
+    changed = changed_buffer(engine.model, before, shards)
     if changed is not None and not report.state_problem:
         report.state_problem = BUFFER_CHANGED.format(changed)
     report.loss_problem = report.loss_problem or loss_shape_problem(batch, loss)

@@ -19,6 +19,14 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
+def param_groups(model: nn.Module):
+    """(unit, param group) for every FSDP2 param group of ``model``: where FSDP2 keeps each unit's reduction, sync
+    and resharding settings and its parameters' gathered state."""
+    for module in fsdp_modules(model):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            yield module, group
+
+
 SUM_SETTERS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms", "set_reduce_scatter_unused_params")
 
 
@@ -27,8 +35,8 @@ def check_resharded_after_backward(model: nn.Module) -> None:
     has put the shard back; a unit kept gathered (``set_reshard_after_backward(False)``, half of FSDP2's gradient
     accumulation idiom) still holds the whole parameter there, whose sums would be dropped (found by the session-25
     red team): refused in one sentence, on every rank alike (the setting is the same on each)."""
-    for module in fsdp_modules(model):
-        if any(not group.reshard_after_backward for group in module._get_fsdp_state()._fsdp_param_groups):
+    for module, group in param_groups(model):
+        if not group.reshard_after_backward:
             raise UserError(f"FSDP2 keeps '{type(module).__name__}' gathered after the backward pass "
                             "(set_reshard_after_backward(False)), which book-keeping and per_sample clipping under "
                             "sharding do not follow; leave it on (gradient sync alone may be turned off between "
@@ -52,7 +60,7 @@ SYNC = ("reduce_grads", "all_reduce_grads")  # what set_requires_gradient_sync w
 def kept_settings(model: nn.Module, names: tuple[str, ...]):
     """The FSDP2 param groups' current values of ``names``; returns the function that puts them back. (torch's
     setters write these attributes of every param group; saving them lets dptext undo exactly what it changed.)"""
-    groups = [group for module in fsdp_modules(model) for group in module._get_fsdp_state()._fsdp_param_groups]
+    groups = [group for _, group in param_groups(model)]
     saved = [{name: getattr(group, name) for name in names} for group in groups]
 
     def restore() -> None:
@@ -98,51 +106,46 @@ def check_still_summing(model: nn.Module) -> None:
     what ``sum_in_backward`` set. Changed since (``set_gradient_divide_factor`` by hand), the second pass would hand
     back the ranks' mean, silently wrong sums (or, unused parameters no longer sent, layouts that differ between
     ranks); the settings are the same on every rank, so every rank raises here together, before any collective."""
-    for module in fsdp_modules(model):
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            if (group.gradient_divide_factor != 1.0 or not group.force_sum_reduction_for_comms
-                    or not group.reduce_scatter_unused_params):
-                raise UserError("FSDP2's gradient reduction on this model was changed after the privacy engine set "
-                                "it to a plain sum of every parameter, so ghost clipping's sums would be wrong; leave "
-                                "the reduction settings alone while the engine is attached (detach() it first).")
-            changed = reduction_changed(group) or (
-                "gradient sync off on this unit only" if not group.reduce_grads and any(
-                    other.reduce_grads for each in fsdp_modules(model)
-                    for other in each._get_fsdp_state()._fsdp_param_groups) else None)
-            if changed:
-                raise UserError(f"FSDP2 reduces the gradients of '{type(module).__name__}' with {changed}, so ghost "
-                                "clipping's clipped sums (which FSDP2 reduces) would not be their plain sum; remove "
-                                "it while the engine is attached, or use privacy.clipping_mode=bookkeeping.")
+    syncing = any(group.reduce_grads for _, group in param_groups(model))
+    for module, group in param_groups(model):
+        if (group.gradient_divide_factor != 1.0 or not group.force_sum_reduction_for_comms
+                or not group.reduce_scatter_unused_params):
+            raise UserError("FSDP2's gradient reduction on this model was changed after the privacy engine set "
+                            "it to a plain sum of every parameter, so ghost clipping's sums would be wrong; leave "
+                            "the reduction settings alone while the engine is attached (detach() it first).")
+        changed = reduction_changed(group) or (
+            "gradient sync off on this unit only" if syncing and not group.reduce_grads else None)
+        if changed:
+            raise UserError(f"FSDP2 reduces the gradients of '{type(module).__name__}' with {changed}, so ghost "
+                            "clipping's clipped sums (which FSDP2 reduces) would not be their plain sum; remove "
+                            "it while the engine is attached, or use privacy.clipping_mode=bookkeeping.")
 
 
 def sync_off(model: nn.Module) -> bool:
     """Whether gradient sync is off on some FSDP2 unit (``set_requires_gradient_sync(False)``)."""
-    return any(not group.reduce_grads for module in fsdp_modules(model)
-               for group in module._get_fsdp_state()._fsdp_param_groups)
+    return any(not group.reduce_grads for _, group in param_groups(model))
 
 
 def held_gradients(model: nn.Module) -> bool:
     """Whether FSDP2 holds gradients it has not reduce-scattered (gradient sync was off for a backward): in ghost
     clipping those are clipped sums that a later reduce-scatter would release into another step's update."""
-    for module in fsdp_modules(model):
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for param in group.fsdp_params:
-                whole = getattr(param, "_unsharded_param", None)
-                if getattr(param, "unsharded_accumulated_grad", None) is not None or (
-                        whole is not None and whole.grad is not None):
-                    return True
+    for _, group in param_groups(model):
+        for param in group.fsdp_params:
+            whole = getattr(param, "_unsharded_param", None)
+            if getattr(param, "unsharded_accumulated_grad", None) is not None or (
+                    whole is not None and whole.grad is not None):
+                return True
     return False
 
 
 def drop_held_gradients(model: nn.Module) -> None:
     """Forget what ``held_gradients`` finds (a logical batch dropped with ``zero_grad`` drops them too)."""
-    for module in fsdp_modules(model):
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for param in group.fsdp_params:
-                param.unsharded_accumulated_grad = None
-                whole = getattr(param, "_unsharded_param", None)
-                if whole is not None:
-                    whole.grad = None
+    for _, group in param_groups(model):
+        for param in group.fsdp_params:
+            param.unsharded_accumulated_grad = None
+            whole = getattr(param, "_unsharded_param", None)
+            if whole is not None:
+                whole.grad = None
 
 
 PLAIN_REDUCE_SCATTER = ("DefaultReduceScatter", "ProcessGroupAllocReduceScatter", "SymmMemReduceScatter")  # torch's
