@@ -8,8 +8,9 @@ of, a position embedding re-run alone in a unit of its own); the same refusals â
 interact, a buffer a training forward changes; a finding on rank 1 only stops both ranks (no rank left waiting in
 a collective); a clipped sum made wrong on rank 1's rows only is refused on both ranks; an all-zero gate is
 re-drawn for the probe (its shard written in place on each rank) and given back; the weights are untouched after
-it, no gradient is left and a step after it equals one without it; bf16 weights (policy or storage) are refused
-in one sentence; ranks whose reports differ are refused. Several cases come from the session-25 red team.
+it, no gradient is left and a step after it equals one without it; bf16-stored weights are refused in one
+sentence, a bf16 policy is proven with the weights gathered as stored; ranks whose reports differ are refused.
+Several cases come from the session-25 red team.
 """
 
 from __future__ import annotations
@@ -196,14 +197,14 @@ def skewed_sum(ctx, mode: str) -> tuple:
 
 
 def half_weights(ctx, stored: bool) -> tuple:
-    """bf16 weights gathered by FSDP2's policy, or stored in bf16: refused in one sentence."""
+    """bf16 weights gathered by FSDP2's policy (proven gathered as stored), or stored in bf16 (refused)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dptext.finetune.sharding import shard_model
 
     model = build("tiny").to(torch.bfloat16 if stored else torch.float64)
     shard_model(model, list(model.blocks), None if stored else MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    return outcome(lambda: engine_for(model, "bookkeeping", ctx).verify(make_batch, probe_loss))
+    return said(lambda: engine_for(model, "bookkeeping", ctx).verify(make_batch, probe_loss))
 
 
 def disguised_hook(ctx) -> tuple:
@@ -421,11 +422,12 @@ def test_a_clipped_sum_wrong_on_one_ranks_rows_only_is_refused_on_every_rank(two
         assert verdict_ == "refused" and "clipped sums differ" in message, message
 
 
-@pytest.mark.parametrize("stored", [False, True], ids=["policy", "stored"])
-def test_bf16_gathered_weights_are_refused_in_one_sentence(two_ranks, stored):
+def test_bf16_stored_weights_are_refused_in_one_sentence_and_a_bf16_policy_is_proven_gathered_as_stored(two_ranks):
+    # the policy's case in detail (gathered dtypes, the steps after it): tests/test_fsdp_precision.py
     for rank in two_ranks:
-        verdict_, message = rank["half"][stored]
-        assert verdict_ == "refused" and "in fp32 before fully_shard" in message, message
+        verdict_, message = rank["half"][True]
+        assert verdict_ == "refused" and "stored in torch.bfloat16" in message, message
+        assert rank["half"][False] == ("ok", ["exact"]), rank["half"][False]
 
 
 REFUSALS = {  # the worker's case -> words of its one sentence, on every rank

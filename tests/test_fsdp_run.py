@@ -168,11 +168,13 @@ def test_sharded_ghost_is_accepted_and_refused_only_where_fsdp2_cannot_sum(share
         check_sharding(recipe, 2, probe_now=True)
 
 
-@pytest.mark.parametrize("precision, before", [("fp32", False), ("bf16", True)])
-def test_the_proof_runs_sharded_on_fp32_weights_and_before_fully_shard_on_bf16_ones(precision, before,
-                                                                                     shared_data, tmp_path):
-    # fp32: the engine on the sharded model proves itself, every rank together (proof.sharded_probe); a bf16
-    # policy gathers bf16 weights, whose rounding the sharded comparison would carry: rank 0 proves first
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_proof_runs_sharded_under_either_policy_and_before_fully_shard_on_half_stored_weights(precision,
+                                                                                                 shared_data,
+                                                                                                 tmp_path):
+    # the engine on the sharded model proves itself, every rank together (proof.sharded_probe), a bf16 policy too
+    # (weights gathered as stored for the probe: privacy.sharding.fsdp_precision); weights stored in bf16 would
+    # carry their rounding into the sharded comparison: rank 0 proves them before fully_shard
     import torch
 
     from dptext.finetune.sharding import proven_before_sharding
@@ -180,7 +182,7 @@ def test_the_proof_runs_sharded_on_fp32_weights_and_before_fully_shard_on_bf16_o
     (tmp_path / "tiny.yaml").write_text(recipe_text(shared_data))
     recipe = config.load_recipe(tmp_path / "tiny.yaml", [f"train.precision={precision}"])
     model = torch.nn.Linear(2, 2)
-    assert proven_before_sharding(recipe, torch.device("cpu"), model) is before
+    assert proven_before_sharding(recipe, torch.device("cpu"), model) is False
     assert proven_before_sharding(recipe, torch.device("cpu"), model.to(torch.bfloat16)) is True  # stored in bf16
     unverified = config.load_recipe(tmp_path / "tiny.yaml", [f"train.precision={precision}", "privacy.verify=false"])
     assert proven_before_sharding(unverified, torch.device("cpu"), model) is False

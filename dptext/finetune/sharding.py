@@ -3,7 +3,8 @@
 The model is wrapped with ``torch.distributed.fsdp.fully_shard``, each transformer block and then the root, before
 the optimizer and the engine are built on the sharded parameters (the privacy side:
 ``dptext.privacy.sharding.sharded``); the engine then proves itself on the sharded model, every rank together
-(``dptext.privacy.proof.sharded_probe``), except under a bf16 policy, proven on the whole model first. Every
+(``dptext.privacy.proof.sharded_probe``; under a bf16 policy with the weights gathered in fp32 for the probe), except
+weights stored in half precision, proven on the whole model first. Every
 rank must then run the same collectives in the same order, so each logical step runs the same number of
 micro-batches on every rank (the shorter ranks run empty ones), every rank evaluates, and checkpoints are written
 by every rank with ``torch.distributed.checkpoint`` (``dptext.finetune.sharded_checkpoint``).
@@ -23,6 +24,7 @@ from dptext.models.modes import training_modes
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.clipping.clipped_step import ghost_join, join_reduction
 from dptext.privacy.sharding.fsdp_controls import check_ghost_supported
+from dptext.privacy.sharding.fsdp_precision import half_stored
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -87,19 +89,17 @@ def check_sharding(recipe: Any, world_size: int, probe_now: bool) -> None:
 
 
 def proven_before_sharding(training_recipe: Any, device: torch.device, model: nn.Module) -> bool:
-    """Whether the start-up probe runs on the whole model before ``fully_shard`` (``prove_then_shard``): with a
-    bf16 policy or half-precision weights only, whose gathered weights would round the sharded probe's comparison;
-    with fp32 weights the engine on the sharded model proves itself, every rank together
-    (``dptext.privacy.proof.sharded_probe``)."""
+    """Whether the start-up probe runs on the whole model before ``fully_shard`` (``prove_then_shard``): only for
+    weights stored in half precision, whose rounding the sharded probe's comparison would carry. Otherwise the
+    engine on the sharded model proves itself, every rank together (``dptext.privacy.proof.sharded_probe``), a
+    bf16 policy too (the probe gathers the weights as stored: ``dptext.privacy.sharding.fsdp_precision``)."""
     privacy = training_recipe.privacy
-    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
-    return privacy.enabled and privacy.verify and (
-        half or mixed_precision(training_recipe.train.precision, device) is not None)
+    return privacy.enabled and privacy.verify and half_stored(model) is not None
 
 
 def prove_then_shard(training_recipe: Any, task: Any, model: nn.Module, device: torch.device) -> nn.Module:
-    """``fully_shard``, after the start-up probe on the whole model where the run's policy gathers the weights in
-    bf16 (``proven_before_sharding``). That probe checks the rules of each layer on this model; sharding changes
+    """``fully_shard``, after the start-up probe on the whole model where its weights are stored in half precision
+    (``proven_before_sharding``). That probe checks the rules of each layer on this model; sharding changes
     where the weights live between passes, not what the hooks record (FSDP2 all-gathers them for every pass;
     tests/test_fsdp.py). Every rank builds the same model from the same recipe, so the first rank proves it for all
     (``on_first_rank``): the others hold no probe state and wait, and all of them refuse in the same sentence."""
@@ -144,7 +144,7 @@ def on_first_rank(prove) -> None:
 
 def mark_verified(engine: Any) -> None:
     """The engine on the sharded model takes the verdict of the probe on the same modules before ``fully_shard``
-    (``prove_then_shard`` with a bf16 policy)."""
+    (``prove_then_shard``, weights stored in half precision)."""
     engine.verified, engine.proven_modes = True, training_modes(engine.model)  # the flags it was proven in
     engine.recorder.verified = set(engine.tracked)
 

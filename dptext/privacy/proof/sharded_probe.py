@@ -36,10 +36,10 @@ SYNC_OFF = ("Gradient sync is off on this FSDP2 model, so ghost clipping's sums 
             "training forward).")
 DISAGREE = ("The start-up probe reached different verdicts on different ranks ({}), so it proves nothing about "
             "the sharded model; check that every rank builds the same model and runs the same code.")
-HALF = ("The start-up probe on a sharded model runs in the precision FSDP2 gathers the weights in, and this model's "
-        "are gathered in {}, whose rounding would hide a wrong path; prove it in fp32 before fully_shard (report = "
-        "PrivacyEngine(model, ...).verify(), then engine.detach(), fully_shard, and verify=report on the sharded "
-        "model's engine), as `dptext finetune` does for bf16 runs.")
+HALF = ("The start-up probe on a sharded model compares gradients in the precision the weights are stored in, and "
+        "this model's are stored in {}, whose rounding would hide a wrong path; keep the weights in fp32 and let "
+        "FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16) gather them in bf16 (the probe gathers them in "
+        "fp32 for its duration), or prove the model before fully_shard.")
 
 
 @dataclass
@@ -159,17 +159,6 @@ def gathered_parameters(model: nn.Module) -> dict[Tensor, nn.Parameter]:
         finally:
             unit.reshard()
     return found
-
-
-def half_gathered(model: nn.Module) -> torch.dtype | None:
-    """bf16 or fp16 if FSDP2 gathers some of the weights in it (its mixed-precision policy, or weights stored so),
-    else None."""
-    half = (torch.float16, torch.bfloat16)
-    for module in fsdp_modules(model):
-        policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
-        if policy is not None and policy.param_dtype in half:
-            return policy.param_dtype
-    return next((p.dtype for p in model.parameters() if p.dtype in half), None)
 
 
 def all_zero_on_every_rank(param: Tensor, local_all_zero) -> bool:

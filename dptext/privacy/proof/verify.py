@@ -38,12 +38,12 @@ from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
-from dptext.privacy.proof.sharded_probe import (DISAGREE, HALF, agreed, check_same_batch, half_gathered,
-                                                 sharded_view, view_of)
+from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, check_same_batch, sharded_view, view_of
 from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_batches, synthetic_token_batch
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
                                              vocabulary_applied)
+from dptext.privacy.sharding.fsdp_precision import gathered_as_stored, half_stored
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
                     "model's synthetic batch ({}; e.g. an input changed in place after a layer read it, or "
@@ -148,9 +148,10 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     first shape on the whole model, run the others on each block stack cut after its last block that differs
     (``proof.stack``); False runs every shape on the whole model."""
     model = engine.model
-    with sharded_view(engine, model) as view:  # FSDP2: every rank together, no cut (``proof.sharded_probe``)
-        if view is not None and half_gathered(model) is not None:
-            raise UserError(HALF.format(half_gathered(model)))
+    # FSDP2: every rank together, no cut (``proof.sharded_probe``), weights gathered as stored (``fsdp_precision``)
+    with gathered_as_stored(model), sharded_view(engine, model) as view:
+        if view is not None and half_stored(model) is not None:
+            raise UserError(HALF.format(half_stored(model)))
         report = _probe(engine, make_batch, loss_fn, shapes, None if view is not None else dtype, cut_stacks)
         problem = agreed((report.table(), bool(report.loss_problem), bool(report.state_problem))) \
             if view is not None else None

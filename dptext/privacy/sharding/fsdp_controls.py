@@ -155,13 +155,15 @@ PLAIN_REDUCE_SCATTER = ("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"
 def reduction_changed(group) -> str | None:
     """What makes an FSDP2 param group's reduce-scatter other than a plain full-precision sum, in words, or None:
     a hook on its output (``set_all_reduce_hook``: found by the session-25 red team, ×1.5 on one block went
-    unseen), a custom reduce-scatter, or a reduce dtype below fp32 (sums rounded to bf16)."""
+    unseen), a custom reduce-scatter, or a reduce dtype below fp32 (sums rounded to bf16; a bf16 policy without a
+    reduce dtype reduces in bf16)."""
     if getattr(group, "_all_reduce_hook", None) is not None:
         return "a hook on the reduced gradients (set_all_reduce_hook)"
     comm = getattr(group, "_reduce_scatter_comm", None)
     if comm is not None and type(comm).__name__ not in PLAIN_REDUCE_SCATTER:
         return f"a custom reduce-scatter ({type(comm).__name__})"
-    dtype = getattr(group, "_reduce_dtype", None)
+    dtype = getattr(group, "_reduce_dtype", None) or next(  # None: reduced in the dtype the weights are gathered in
+        (param.param_dtype for param in group.fsdp_params if getattr(param, "param_dtype", None) is not None), None)
     if dtype is not None and dtype.is_floating_point and torch.finfo(dtype).bits < 32:
         return f"a {dtype} reduce dtype"
     return None
