@@ -57,12 +57,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_two_ranks(script: str, out: Path, timeout: float) -> list:
-    """Run ``script`` as ranks 0 and 1 (a hang fails instead of blocking CI); each saves ``out/rank{r}.pt``."""
-    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+def run_two_ranks(script: str, out: Path, timeout: float, ranks: int = 2) -> list:
+    """Run ``script`` as ranks 0 and 1 (or ``ranks`` of them; a hang fails instead of blocking CI); each saves
+    ``out/rank{r}.pt``."""
+    env = {**os.environ, "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, script, str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(ranks)]
     logs = []
     try:
         for proc in procs:
@@ -72,7 +73,7 @@ def run_two_ranks(script: str, out: Path, timeout: float) -> list:
             if proc.poll() is None:
                 proc.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
 
 
 # A worker's own words when it dies: a Python exception, or a C++ abort (gloo's "terminate called ... what(): ...").

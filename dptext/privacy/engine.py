@@ -48,7 +48,7 @@ from dptext.privacy.noise.randomness import RandomRoot
 from dptext.privacy.sampling.sampler import make_sampler
 from dptext.privacy.sharding.fsdp_controls import check_no_other_ghost_engine
 from dptext.privacy.sharding.row_reduce import sum_chunks
-from dptext.privacy.sharding.sharded import sharded_optimizer
+from dptext.privacy.sharding.sharded import check_sharded_context, sharded_optimizer
 from dptext.privacy.proof.step_checks import (check_loss, check_no_foreign_backward, check_trainable_set,
                                                parameter_names, refuse_foreign_step)
 from dptext.privacy.settings import check_settings, describe_mechanism, fixed_setting
@@ -98,7 +98,7 @@ class PrivacyEngine:
         self.steps = 0
         self.batch_units = LogicalBatchUnits()
         self.max_examples_per_user: int | None = None  # set by user_sampler(): ε is then about users
-        self.distributed = distributed if distributed is not None and distributed.active else None
+        self.distributed = check_sharded_context(model, distributed if distributed and distributed.active else None)
 
         self.optimizer = optimizer
         self.verified, self.proven_modes = False, None  # by verify(): proven on this plan, in these train/eval flags

@@ -57,6 +57,22 @@ def is_sharded(param: Tensor) -> bool:
     return hasattr(param, "device_mesh") and hasattr(param, "to_local")
 
 
+NO_SHARDED_CONTEXT = (
+    "This model's parameters are FSDP2 shards (fully_shard), but the privacy engine was given no sharded "
+    "distributed context over two or more processes, so it would clip and noise them as whole tensors; pass "
+    "distributed=dptext.finetune.distributed.current(device) with sharded=True on every rank under torchrun "
+    "(FSDP2 over a single process is not supported: train that model unsharded).")
+
+
+def check_sharded_context(model: nn.Module, distributed):
+    """``distributed`` (the engine's active context or None), refused where the model is FSDP2-sharded and the
+    context is missing, of one process, or not marked sharded: without the sharded path book-keeping crashes inside
+    DTensor and ghost takes FSDP2's mean over the ranks for its sum (each rank's engine believing it is alone)."""
+    if any(is_sharded(param) for param in model.parameters()) and (distributed is None or not distributed.sharded):
+        raise UserError(NO_SHARDED_CONTEXT)
+    return distributed
+
+
 def rows_sharded(param: Tensor) -> bool:
     """FSDP2's default layout on a 1-D mesh: the parameter's rows split over the ranks (``Shard(0)``)."""
     from torch.distributed.tensor import Shard
