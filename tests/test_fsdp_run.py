@@ -26,16 +26,16 @@ pytestmark = pytest.mark.integration
 TIMEOUT = 900  # a loaded 2-core machine: one tiny run takes 35 s idle, minutes under load
 
 
-def torchrun(*args: str, cwd: Path) -> str:
+def torchrun(*args: str, cwd: Path, stderr: bool = False) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "dptext", "finetune", *args]
     done = run_process_group(command, TIMEOUT, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, torchrun_failure(done)
-    return done.stdout
+    return done.stdout + done.stderr if stderr else done.stdout
 
 
-def recipe_text(data: Path, privacy: str = "{target_epsilon: 8}") -> str:
-    return ("name: tiny\nmodel: {name: tiny-llama}\n"
+def recipe_text(data: Path, privacy: str = "{target_epsilon: 8}", model: str = "tiny-llama") -> str:
+    return (f"name: tiny\nmodel: {{name: {model}}}\n"
             f"data: {{dataset: e2e, path: {data / 'e2e_nlg'}, max_train_examples: 40, max_eval_examples: 4, "
             "max_length: 48}\ntask: {type: table_to_text}\neval: {split: validation, beam_size: 1, max_new_tokens: 4}\n"
             "train: {batch_size: 10, max_steps: 4, log_every: 1, checkpoint_every: 2, learning_rate: 0.001, "
@@ -140,6 +140,21 @@ def test_sharded_ghost_run_ends_where_the_bookkeeping_run_does(shared_data, tmp_
     ledgers = [json.loads((tmp_path / mode / "ledger.json").read_text()) for mode in runs]
     assert ledgers[0]["steps"] == ledgers[1]["steps"] == 4
     assert ledgers[0]["epsilon"] == ledgers[1]["epsilon"]
+
+
+@pytest.mark.slow  # a second torchrun run
+def test_sharded_run_from_a_saved_folder_reads_only_each_ranks_rows(shared_data, tmp_path):
+    """A Hugging Face folder as model.name takes the meta-device path (dptext.finetune.meta_load) end to end."""
+    from dptext.models import load_model
+
+    model, tokenizer = load_model("tiny-llama")
+    model.save_pretrained(tmp_path / "saved")
+    tokenizer.save_pretrained(tmp_path / "saved")
+    (tmp_path / "tiny.yaml").write_text(recipe_text(shared_data, model=str(tmp_path / "saved")))
+    log = torchrun(str(tmp_path / "tiny.yaml"), "--out", str(tmp_path / "run"), cwd=tmp_path, stderr=True)
+    assert "each rank reads only its own rows from" in log
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["steps_run"] == 4 and result["privacy"]["private"]
 
 
 @pytest.mark.parametrize("override, expected", [

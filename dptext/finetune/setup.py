@@ -22,6 +22,7 @@ from dptext.errors import UserError
 from dptext.finetune.banded_mf import build_banded_mf
 from dptext.finetune.distributed import current
 from dptext.finetune.edp import build_edp
+from dptext.finetune.meta_load import load_sharded
 from dptext.finetune.seeds import privacy_seed, seed_everything
 from dptext.finetune.sharding import check_sharding, mark_verified, proven_before_sharding, prove_then_shard
 from dptext.finetune.task_probe import verify_with_task
@@ -83,6 +84,21 @@ def autocast_dtype(precision: str, device) -> Any:
     if device.type != "cuda":
         raise UserError(f"train.precision={precision} needs a GPU; use fp32 (or auto) on CPU.")
     return torch.float16 if precision == "fp16" else torch.bfloat16
+
+
+def whole_model(recipe: Any, task: Any, device: torch.device, dist: Any) -> Any:
+    """The task's model, whole on this rank, with rank 0's weights (they are seeded alike; this makes it certain)."""
+    model = task.load_model()
+    if recipe.model.untie_embeddings:
+        untie_output_embedding(model)
+    model = apply_adaptation(model, recipe).to(device)
+    model.train()
+    dist.broadcast_parameters(model)
+    return model
+
+
+def model_sharded(model: Any) -> bool:
+    return any(hasattr(param, "to_local") for param in model.parameters())
 
 
 def untie_output_embedding(model: Any) -> None:
@@ -153,14 +169,11 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
         train = audit.training_records(recipe.task.type, recipe.task.control_codes)
     tokenizer = load_tokenizer(recipe.model.name)
     task = build_task(recipe, tokenizer, train)
-    model = task.load_model()
-    if recipe.model.untie_embeddings:
-        untie_output_embedding(model)
-    model = apply_adaptation(model, recipe).to(device)
-    model.train()
-    dist.broadcast_parameters(model)
+    model = load_sharded(recipe, task, device, dist) if dist.sharded else None  # no rank holds all of it
+    if model is None:
+        model = whole_model(recipe, task, device, dist)
     seed_everything(recipe.train.seed, "dropout", dist.rank)  # dropout: a stream apart from initialisation
-    if dist.sharded:  # the optimizer and the engine are built on the sharded parameters
+    if dist.sharded and not model_sharded(model):  # the optimizer and the engine are built on the sharded parameters
         model = prove_then_shard(recipe, task, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(recipe, params)
