@@ -50,7 +50,7 @@ from dptext.privacy.sharding.fsdp_controls import check_no_other_ghost_engine
 from dptext.privacy.sharding.row_reduce import sum_chunks
 from dptext.privacy.sharding.sharded import check_sharded_context, sharded_optimizer
 from dptext.privacy.proof.step_checks import (check_loss, check_no_foreign_backward, check_trainable_set,
-                                               parameter_names, refuse_foreign_step)
+                                               check_hooks_as_planned, parameter_names, refuse_foreign_step)
 from dptext.privacy.settings import check_settings, describe_mechanism, fixed_setting
 from dptext.privacy.clipping.units import LogicalBatchUnits, unit_index
 from dptext.privacy.sampling.user_sampler import UserPoissonSampler, make_user_sampler
@@ -167,11 +167,11 @@ class PrivacyEngine:
     def verify(self, make_batch=None, loss_fn=None, **options):
         """Run the start-up probe (``dptext.privacy.proof.verify.probe``) on synthetic inputs; refuse on any mismatch.
 
-        Returns the per-layer report. ``replan()`` re-runs it with the same arguments. Without ``make_batch``
-        and ``loss_fn`` it uses those given to the constructor (``probe_batch``, ``probe_loss``), else random
-        token ids and a fixed functional of the model's output."""
-        make_batch = make_batch or self._probe_args[0]
-        loss_fn = loss_fn or self._probe_args[1]
+        Returns the per-layer report; ``replan()`` re-runs it with the same arguments. Without ``make_batch`` and
+        ``loss_fn``: the constructor's ``probe_batch`` and ``probe_loss``, else random ids and a fixed functional of
+        the output. Hooks changed since the plan are refused: the steps would refuse what it proved (``replan()``)."""
+        make_batch, loss_fn = make_batch or self._probe_args[0], loss_fn or self._probe_args[1]
+        check_hooks_as_planned(self)
         self._verifying = True
         try:
             report = verify_probe(self, make_batch, loss_fn, **options)
@@ -206,7 +206,7 @@ class PrivacyEngine:
             return ghost_backward(self, per_example_loss, unit_ids)
         if self.ghost_modules:  # book-keeping with layers under the ghost treatment (long sequences)
             return hybrid.hybrid_backward(self, per_example_loss, unit_ids)
-        backward_once(per_example_loss)
+        backward_once(self, per_example_loss)
         return clip_recorded(self, per_example_loss, unit_ids)
 
     def step(self, per_example_loss: Tensor | None = None) -> None:

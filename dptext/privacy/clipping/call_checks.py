@@ -2,17 +2,21 @@
 
 The plan records each tracked layer's forward hooks and torch's global module hooks, and the step compares them
 at ``accumulate()``; a hook registered only around a forward (a profiler's or a tracker's context manager) and
-removed before ``accumulate()``, or a ``TorchFunctionMode`` entered around the forward, runs code the rules do not
-describe (a second use of the layer's weight) and is gone by then. A session-25 red team built both (one layer's
-gradient 1.5x, accepted). So the recorder asks at every call, outside the start-up probe (whose own mode and hooks
-are the probe's): a problem found here makes the use untrusted, and the step refuses it in one sentence.
+removed before ``accumulate()``, or a ``TorchFunctionMode`` or ``TorchDispatchMode`` entered around the forward,
+runs code the rules do not describe (a second use of the layer's weight, an op's output scaled below autograd) and
+is gone by then. A session-25 red team built the hooks and function mode (one layer's gradient 1.5x, accepted), a
+later one the dispatch mode. So the recorder asks at every call, outside the start-up probe (whose own mode and
+hooks are the probe's): a problem found here makes the use untrusted, and the step refuses it in one sentence.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from dptext.privacy.clipping.plan import global_hook_keys
 
@@ -22,6 +26,18 @@ GLOBAL_AT_CALL = ("a global module hook at this call differs from those the engi
                   "only around the forward counts); call engine.replan() after changing global hooks")
 MODE_AT_CALL = ("a TorchFunctionMode ({}) is active during its call, code that can use its weight a second time "
                 "unseen by its rule; leave the forward outside such modes")
+DISPATCH_AT_CALL = ("a TorchDispatchMode ({}) is active during its call, code below autograd that can change what it "
+                    "computes (scale an op's output, use its weight a second time) unseen by its rule; leave the "
+                    "forward outside such modes")
+# torch's own dispatch modes of ordinary training, matched by exact type (a subclass is someone else's code): selective
+# activation checkpointing's, which keep chosen ops' outputs in the forward and hand the same values back in the
+# recompute. FSDP2, autocast and plain checkpointing use none (tests/test_call_time_checks.py).
+TORCH_OWN = tuple(getattr(torch_checkpoint, name) for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+                  if hasattr(torch_checkpoint, name))
+# tracing's modes (fake tensors, make_fx's proxies, functionalization) sit in slots of their own, off the stack
+INFRA_KEYS = tuple(torch._C._TorchDispatchModeKey.__members__.values()) if hasattr(torch._C, "_TorchDispatchModeKey") \
+    else ()
+PYTHON_KEY, included = torch._C.DispatchKey.Python, torch._C._dispatch_tls_is_dispatch_key_included
 
 
 def foreign_code_at_call(module: nn.Module, planned_hooks: tuple, planned_globals: tuple | None) -> str | None:
@@ -34,4 +50,13 @@ def foreign_code_at_call(module: nn.Module, planned_hooks: tuple, planned_global
     modes = [mode for mode in _get_current_function_mode_stack() if not isinstance(mode, DeviceContext)]
     if modes:  # torch.device(...) as a context manager is a mode too: it only places new tensors
         return MODE_AT_CALL.format(type(modes[0]).__name__)
-    return None
+    # any dispatch mode, on the stack or in an infra slot, puts the Python key in the thread's include set: without
+    # it (every ordinary step) the dispatch check is this one C call
+    return dispatch_mode_at_call() if included(PYTHON_KEY) else None
+
+
+def dispatch_mode_at_call() -> str | None:
+    """Why the ``TorchDispatchMode``s active now make a layer's call untrusted, or None."""
+    modes = [mode for mode in _get_current_dispatch_mode_stack() if type(mode) not in TORCH_OWN]
+    modes += [mode for mode in map(torch._C._get_dispatch_mode, INFRA_KEYS) if mode is not None]
+    return DISPATCH_AT_CALL.format(type(modes[0]).__name__) if modes else None

@@ -21,7 +21,7 @@ from torch import Tensor
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
 from dptext.privacy.sharding.fsdp_controls import (check_resharded_after_backward, check_still_summing,
-                                                  gradient_sync_off, local_grads)
+                                                  check_unshard_in_backward, gradient_sync_off, local_grads)
 from dptext.privacy.sharding.row_reduce import reduce_in_chunks
 from dptext.privacy.proof.step_checks import check_invariant, checked_uses
 from dptext.privacy.clipping.units import UnitIndex, unit_gradients_instantiated
@@ -188,9 +188,10 @@ def ghost_join(engine, per_example_loss: Tensor) -> None:
 
 
 def _check_summing(engine) -> None:
-    """FSDP2 still sums (``fsdp_controls.check_still_summing``) and no gradient hook rescales the sums; refused,
-    the forward's records are dropped."""
-    _checked(engine, lambda checked: (check_still_summing(checked.model), check_no_gradient_hooks(checked)))
+    """FSDP2 still sums (``fsdp_controls.check_still_summing``), gathers the weights for the backward passes and no
+    gradient hook rescales the sums; refused, the forward's records are dropped."""
+    _checked(engine, lambda checked: (check_unshard_in_backward(checked.model), check_still_summing(checked.model),
+                                      check_no_gradient_hooks(checked)))
 
 
 def check_no_gradient_hooks(engine) -> None:
@@ -233,9 +234,12 @@ REENTRANT_CHECKPOINT = (
     "clipping_mode='bookkeeping'.")
 
 
-def backward_once(per_example_loss: Tensor) -> None:
+def backward_once(engine, per_example_loss: Tensor) -> None:
     """Book-keeping and per_sample's one backward pass; a part of the loss's graph freed by an earlier one (a
-    slice of a loss accumulated already) is refused in one sentence, before anything joins the batch."""
+    slice of a loss accumulated already) is refused in one sentence, before anything joins the batch, and so is
+    an FSDP2 unit that would not gather its weights for it (before it starts, on every rank alike)."""
+    if _sharded(engine):
+        _checked(engine, lambda checked: check_unshard_in_backward(checked.model))
     try:
         per_example_loss.sum().backward()
     except RuntimeError as error:

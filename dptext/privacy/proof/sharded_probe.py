@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.sharding.fsdp_controls import fsdp_modules, sync_off
+from dptext.privacy.sharding.fsdp_controls import check_unshard_in_backward, fsdp_modules, sync_off
 from dptext.privacy.sharding.row_reduce import local_rows
 from dptext.privacy.sharding.sharded import is_sharded
 
@@ -120,6 +120,7 @@ def sharded_view(engine, model: nn.Module):
         return
     if engine.clipping_mode == "ghost" and sync_off(model):
         raise UserError(SYNC_OFF)
+    check_unshard_in_backward(model)  # before the probe's first backward, which it would crash
     gathered = gathered_parameters(model)  # every unit resharded after it: the names give the shards
     planned = {(module, name): module.get_parameter(name) for module, (_, names) in engine.tracked.items()
                for name in names}

@@ -72,6 +72,29 @@ def _untrusted(engine, uses: list, per_example_loss: Tensor) -> UserError | None
     return None
 
 
+HOOKS_BEFORE_PROOF = ("{} added or removed after the privacy engine planned its clipping, so verify() would prove "
+                      "hooks that every step then refuses; call engine.replan() instead (it plans again and runs the "
+                      "probe), or build the engine after registering them.")
+
+
+def check_hooks_as_planned(engine) -> None:
+    """Before the probe (``verify``): the model's hooks are still the plan's. The probe runs with the hooks present
+    then, and every step compares them with the plan's, so a hook registered between the engine's construction and
+    ``verify()`` was proven and then refused at every step (a red team's find); one sentence here instead, which
+    proves nothing the steps would not run. With several processes every rank decides alike (the probe is
+    collective: a rank refusing alone would leave the others waiting in it)."""
+    changed = [engine.names.get(module, type(module).__name__) for module in engine.tracked
+               if engine.recorder.hooks_changed(module)]
+    what = f"Forward hooks of layer '{changed[0]}' were" if changed else (
+        "A global module hook (torch.nn.modules.module.register_module_forward_hook or a sibling) was"
+        if global_hook_keys() != engine.global_hooks else None)
+    any_rank = engine.dp_optimizer.any_rank
+    if any_rank is not None and any_rank(what is not None, engine.dp_optimizer.device()):
+        what = what or "Forward hooks on another rank were"
+    if what is not None:
+        raise UserError(HOOKS_BEFORE_PROOF.format(what))
+
+
 def check_invariant(engine, sums, norms: Tensor, units: int) -> None:
     """The per-step invariant (``clipping.check_clipped_sums``); a violation drops the logical batch. With several
     processes it is raised at the step, on every rank together (``DPOptimizer.refuse``): the data that broke it is

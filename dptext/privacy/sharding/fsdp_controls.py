@@ -43,6 +43,21 @@ def check_resharded_after_backward(model: nn.Module) -> None:
                             "micro-batches) or use privacy.clipping_mode=ghost.")
 
 
+def check_unshard_in_backward(model: nn.Module) -> None:
+    """FSDP2 leaves a unit's weights sharded for its backward after ``set_unshard_in_backward(False)`` (meant for
+    units no gradient flows through): a backward through its layers then reads weights that are not there (torch's
+    raw "data is not allocated" error in book-keeping and per_sample's pass and in ghost clipping's first, and in
+    ghost's second even on the root, resharded after the first; a red team's find). Refused in every mode before
+    any backward pass and before the probe, on every rank alike (the setting is the same on each)."""
+    for module, group in param_groups(model):
+        if not getattr(group, "unshard_in_backward", True):
+            name = next(name for name, each in model.named_modules() if each is module) or type(module).__name__
+            raise UserError(f"FSDP2 does not gather the weights of '{name}' for the backward pass "
+                            "(set_unshard_in_backward(False)), which the privacy engine's backward passes need "
+                            "(ghost clipping and the start-up probe run several); leave it on "
+                            "(set_unshard_in_backward(True)).")
+
+
 def check_ghost_supported() -> None:
     """Ghost clipping under FSDP2 needs FSDP2's reduce-scatter set to a plain sum (``sum_in_backward``)."""
     from torch.distributed.fsdp import FSDPModule
