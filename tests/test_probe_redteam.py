@@ -89,11 +89,12 @@ class WithBatchNorm(nn.Module):
 
 def test_a_proof_made_in_eval_mode_is_made_again_before_training_in_train_mode():
     model = WithBatchNorm().double().eval()
+    shapes = []  # (the spy hook is registered before the engine: one added after its plan is refused by verify())
+    model.head.register_forward_hook(lambda module, args, output: shapes.append(tuple(args[0].shape[:2])))
     engine = engine_for(model)
     engine.verify()  # the eval forward: nothing mixes, nothing moves
     model.train()
-    shapes = []
-    model.head.register_forward_hook(lambda module, args, output: shapes.append(tuple(args[0].shape[:2])))
+    shapes.clear()
     private = torch.randint(1, 13, (2, 7))  # a shape none of the probe's synthetic batches has
     with pytest.raises(UserError, match="refused"):  # the training forward is proven first, and refused
         verify_module.output_functional_loss(model, {"input_ids": private})
