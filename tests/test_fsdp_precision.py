@@ -3,7 +3,8 @@
 With ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (``dptext finetune``'s default on a GPU) the probe runs on
 the sharded model itself, its weights gathered in fp32 for its duration; then the run's policy is back: training
 gathers bf16 weights and its steps are bit for bit those of a model sharded in bf16 from the start whose engine
-took the verdict without a probe. Weights stored in bf16 are refused in one sentence; ghost clipping under a bf16
+took the verdict without a probe; a forward that mixes examples only in bf16 is refused (the probe re-draws
+examples once more with the policy's gathers). Weights stored in bf16 are refused in one sentence; ghost clipping under a bf16
 policy without a reduce dtype (FSDP2 then reduces the clipped sums in bf16) is refused at its first micro-batch.
 """
 
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fsdp_models import TinyLM, full, losses, token_ids
+from fsdp_models import WIDTH, Block, TinyLM, full, losses, token_ids
+from torch import nn
 from two_ranks import run_two_ranks
 
 C = 0.5
@@ -65,11 +67,25 @@ class GatheredDtypes:
             recorder.seen.setdefault(recorder.phase, set()).add(str(param._unsharded_param.dtype))
 
         FSDPParam.init_unsharded_param = recording
+        import dptext.privacy.proof.verify as verify
+
+        self.check = verify.check_training_precision
+
+        def checking(*args):  # the probe's last check runs in the training precision: its own phase
+            before, recorder.phase = recorder.phase, "training precision check"
+            try:
+                return recorder.check(*args)
+            finally:
+                recorder.phase = before
+
+        verify.check_training_precision = checking
 
     def close(self):
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
-        FSDPParam.init_unsharded_param = self.real
+        import dptext.privacy.proof.verify as verify
+
+        FSDPParam.init_unsharded_param, verify.check_training_precision = self.real, self.check
 
 
 def trained(ctx, mode: str, prove: bool) -> dict:
@@ -117,6 +133,31 @@ def ghost_reduced_in_bf16(ctx) -> str | None:
     return refused(lambda: engine.accumulate(losses(model, token_ids()[:4])))
 
 
+class MixingBlock(Block):
+    """Every example's hidden state becomes example 0's where its gathered weights are bf16 (session-26 red team):
+    the probe's fp32 gathers never take that path, training's do."""
+
+    def forward(self, hidden):
+        if self.fc.weight.dtype == torch.bfloat16:
+            hidden = hidden[:1].expand_as(hidden) + 0 * hidden
+        return super().forward(hidden)
+
+
+class MixesInBf16(TinyLM):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([MixingBlock(WIDTH), MixingBlock(WIDTH)])
+
+
+def mixed_in_bf16(ctx, mode: str) -> str | None:
+    from dptext.finetune.sharding import shard_model
+
+    torch.manual_seed(0)
+    model = MixesInBf16().float()
+    model = shard_model(model, list(model.blocks), policy())
+    return refused(lambda: engine_for(model, mode, ctx).verify(make_batch, probe_loss))
+
+
 def worker(out: Path) -> None:
     from dptext.finetune.distributed import current, release
 
@@ -126,6 +167,7 @@ def worker(out: Path) -> None:
         "runs": {(mode, prove): trained(ctx, mode, prove) for mode in MODES for prove in (True, False)},
         "stored": stored_in_bf16(ctx),
         "ghost_bf16_reduce": ghost_reduced_in_bf16(ctx),
+        "mixed_in_bf16": {mode: mixed_in_bf16(ctx, mode) for mode in MODES},
     }
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
@@ -142,6 +184,7 @@ def test_a_bf16_policy_model_is_proven_in_fp32_and_then_trains_in_bf16(two_ranks
         proven = rank["runs"][(mode, True)]
         assert proven["statuses"] == ["exact"], proven["statuses"]
         assert proven["dtypes"]["probe"] == {"torch.float32"}, proven["dtypes"]
+        assert proven["dtypes"]["training precision check"] == {"torch.bfloat16"}, proven["dtypes"]
         assert proven["dtypes"]["training"] == {"torch.bfloat16"}, proven["dtypes"]
 
 
@@ -170,6 +213,13 @@ def test_ghost_under_a_bf16_policy_without_a_reduce_dtype_is_refused(two_ranks):
     for rank in two_ranks:
         message = rank["ghost_bf16_reduce"]
         assert message is not None and "reduce dtype" in message, message
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_examples_mixed_only_in_the_policys_bf16_are_refused_on_every_rank(two_ranks, mode):
+    for rank in two_ranks:
+        message = rank["mixed_in_bf16"][mode]
+        assert message is not None and "in the precision training runs in (bfloat16)" in message, message
 
 
 if __name__ == "__main__":

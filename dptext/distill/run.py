@@ -183,7 +183,7 @@ def build_student_training(recipe: Any, run: RunDir) -> Any:
         training.task = DistillationTask(derived, training.tokenizer, teacher_model)
         training.task.check_hidden_sizes(training.model)
         if training.engine is not None and derived.privacy.verify:
-            verify_with_task(training.engine, training.task, training.model)
+            verify_with_task(training.engine, training.task, training.model, training.autocast_dtype)
             training.ledger.mechanism = training.engine.mechanism()  # now it says the clipping was verified
     training.final_records = load_records(recipe.data, recipe.eval.split)  # the real (private-distribution) split
     claim = privacy_claim(recipe, teacher, synthetic, budget, training.plan)

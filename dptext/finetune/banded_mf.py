@@ -81,6 +81,6 @@ def build_banded_mf(training: Any, dist: Any, probe_now: bool = True) -> None:
     if probe_now and sharded and proven_before_sharding(recipe, training.device, training.model):
         mark_verified(training.engine)  # probed on the whole model before fully_shard (bf16: prove_then_shard)
     elif privacy.verify and probe_now:
-        verify_with_task(training.engine, training.task, training.model)
+        verify_with_task(training.engine, training.task, training.model, training.autocast_dtype)
     training.sampler = training.engine.sampler(plan.steps)
     training.mf_strategy = strategy.to_dict()

@@ -214,7 +214,7 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
         if probe_now and dist.sharded and proven_before_sharding(recipe, device, model):  # proven before fully_shard
             mark_verified(training.engine)
         elif privacy.verify and probe_now:
-            verify_with_task(training.engine, task, model)
+            verify_with_task(training.engine, task, model, training.autocast_dtype)
         training.sampler = (training.engine.sampler(plan.steps) if users is None else
                             training.engine.user_sampler(users, privacy.max_examples_per_user, plan.steps))
         training.ledger.mechanism = training.engine.mechanism()  # after the sampler: it says which unit ε is about

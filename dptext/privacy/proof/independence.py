@@ -5,6 +5,7 @@ stops early, and with the engine's hooks otherwise.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -111,3 +112,28 @@ def plain_loss(engine, batch, loss_fn, device) -> Tensor:
             return loss_fn(engine.model, batch)
     except RuntimeError as error:
         raise ReferenceFailed(type(error).__name__) from error
+
+
+IN_TRAINING_PRECISION = "in the precision training runs in ({}), " + LOSSES_INTERACT
+
+
+def check_training_precision(engine, report, batch, redraw, loss_fn, dtype, named: str) -> None:
+    """Examples must not interact in the precision training computes in either: the probe's comparisons run in
+    fp64 (or fp32 on a sharded or large model), so a forward that branches on its weights' dtype or on autocast
+    (found by the session-26 red team: every row replaced by example 0's, in bf16 only) would be proven on a path
+    training never takes. Without hooks or autograd, under ``dtype``'s autocast (None: none; an FSDP2 policy
+    gathers in bf16 by itself; ``named``: that precision in words): re-drawing the first, then the last example may move no other example's loss.
+    Same shapes, same kernels, same dropout masks, so the untouched rows agree to rounding (1 % here: bf16 keeps 8
+    bits; a mix of examples moves them by far more)."""
+    device = engine.params[0].device
+    context = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+    with context:
+        loss = plain_loss(engine, batch, loss_fn, device).float()
+        for example in dict.fromkeys((0, len(loss) - 1)):
+            other, keep = plain_loss(engine, redraw(example), loss_fn, device).float(), others(loss, example)
+            scale = float(loss.abs().max()) + 1e-6
+            moved = other.shape != loss.shape or not torch.allclose(other[keep], loss[keep], rtol=1e-2,
+                                                                     atol=1e-3 * scale)
+            if engine.distributed.any_rank(moved, device) if engine.distributed is not None else moved:
+                report.loss_problem = IN_TRAINING_PRECISION.format(named)
+                return

@@ -15,6 +15,9 @@ privacy. A ``PrivacyEngine`` runs it before the model's first training forward u
    sums (``reference.Reference``); the other layers of a pattern share the representative's verdict;
 4. re-draws one example at a time (its row of every tensor of the batch) with the hooks: every other example's
    loss and every other row of every recorded input must stay put (the loss is per example, rows are examples).
+5. where training computes in another precision than these comparisons (bf16 autocast or an FSDP2 bf16 policy;
+   fp32 against the fp64 probe), re-draws the first and the last example once more in that precision, without
+   hooks: no other example's loss may move (``independence.check_training_precision``).
 Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first into one sentence. The first shape
 runs on the whole model; the second on each block stack cut after its last block that differs (``proof.stack``)
 and, with the default batch, on the first rows of the vocabulary (``proof.vocabulary``). On an FSDP2-sharded model
@@ -34,6 +37,7 @@ from dptext.allocator import release_freed_memory
 from dptext.errors import UserError
 from dptext.models.modes import ModulesChanged, restore_modes, training_modes
 from dptext.privacy.proof.adopt import proof_plan
+from dptext.privacy.proof.independence import check_training_precision
 from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
@@ -43,7 +47,7 @@ from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_bat
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
                                              vocabulary_applied)
-from dptext.privacy.sharding.fsdp_precision import gathered_as_stored, half_stored
+from dptext.privacy.sharding.fsdp_precision import gathered_as_stored, half_policy, half_stored
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
                     "model's synthetic batch ({}; e.g. an input changed in place after a layer read it, or "
@@ -141,13 +145,17 @@ def reset(report: ProbeReport, engine: Any) -> None:
 
 
 def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype: Any = "auto",
-          cut_stacks: bool = True) -> ProbeReport:
+          cut_stacks: bool = True, training_dtype: torch.dtype | None = None) -> ProbeReport:
     """Verify ``engine`` on synthetic batches; returns the per-layer report (see the module docstring).
 
     ``dtype``: the probe's precision ("auto": ``probe_dtype``; None: the model's own). ``cut_stacks``: after the
     first shape on the whole model, run the others on each block stack cut after its last block that differs
-    (``proof.stack``); False runs every shape on the whole model."""
+    (``proof.stack``); False runs every shape on the whole model. ``training_dtype``: the autocast dtype training
+    runs under (default: the autocast active here, as when the probe runs at the first training forward)."""
     model = engine.model
+    device = engine.params[0].device
+    if training_dtype is None and torch.is_autocast_enabled(device.type):
+        training_dtype = torch.get_autocast_dtype(device.type)
     # FSDP2: every rank together, no cut (``proof.sharded_probe``), weights gathered as stored (``fsdp_precision``)
     with gathered_as_stored(model), sharded_view(engine, model) as view:
         if view is not None and half_stored(model) is not None:
@@ -157,7 +165,23 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
             if view is not None else None
     if problem is not None:
         raise UserError(DISAGREE.format(problem))
+    probed_in = None if view is not None else probe_dtype(model, device) if dtype == "auto" else dtype
+    if not (report.loss_problem or report.refused()) and (training_dtype is not None or half_policy(model) or (
+            probed_in is not None and probed_in != engine.params[0].dtype)):
+        in_training_precision(engine, report, make_batch or synthetic_token_batch(model),
+                              loss_fn or output_functional_loss, shapes[0], training_dtype)
     return report
+
+
+def in_training_precision(engine: Any, report: ProbeReport, make_batch, loss_fn, shape, dtype) -> None:
+    """``independence.check_training_precision`` on the first shape's batch, where training computes in another
+    precision than the probe's comparisons (a bf16 autocast or FSDP2 policy, fp32 against the fp64 probe)."""
+    batch, redraw = synthetic_batches(make_batch, *shape, 0, engine.params[0].device)
+    named = dtype or half_policy(engine.model) or engine.params[0].dtype  # what the forward computes in
+    try:
+        check_training_precision(engine, report, batch, redraw, loss_fn, dtype, str(named).removeprefix("torch."))
+    except ReferenceFailed as error:
+        raise UserError(REFERENCE_FAILED.format(error)) from error
 
 
 def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) -> ProbeReport:

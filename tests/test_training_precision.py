@@ -1,0 +1,92 @@
+"""Examples must not interact in the precision training computes in (``proof.independence.check_training_precision``).
+
+The probe compares in fp64 (fp32 on large or sharded models), so a forward that branches on its weights' dtype or
+on autocast and mixes examples only there was proven on a path training never takes (session-26 red team: every
+row replaced by example 0's in bf16 only; removing one example then moved the clipped sum by 3C against a 2C
+bound). The probe now re-draws examples once more in the training precision; ordinary models pass it, under
+autocast too. The FSDP2 bf16-policy case is in tests/test_fsdp_precision.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from fsdp_models import TinyLM, losses
+
+from dptext.errors import UserError
+from dptext.privacy import PrivacyEngine
+
+MODES = ("bookkeeping", "ghost", "per_sample")
+
+
+class MixesWhen(TinyLM):
+    """Every example's hidden state becomes example 0's where ``mixing()`` holds (a path the probe must see)."""
+
+    def __init__(self, mixing):
+        super().__init__()
+        self.mixing, self.drop = mixing, nn.Dropout(0.1)
+
+    def forward(self, input_ids):
+        hidden = self.drop(self.embed(input_ids))
+        if self.mixing(self):
+            hidden = hidden[:1].expand_as(hidden) + 0 * hidden
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden)
+
+
+IN_FP32 = lambda model: model.head.weight.dtype == torch.float32  # noqa: E731 - the probe's fp64 never is
+UNDER_AUTOCAST = lambda model: torch.is_autocast_enabled("cpu")  # noqa: E731
+IN_FP32_UNDER_AUTOCAST = lambda model: IN_FP32(model) and UNDER_AUTOCAST(model)  # noqa: E731
+NEVER = lambda model: False  # noqa: E731
+
+
+def make_batch(examples, positions, generator):
+    return {"input_ids": torch.randint(0, 11, (examples, positions), generator=generator)}
+
+
+def probe_loss(model, batch):
+    return losses(model, batch["input_ids"])
+
+
+def engine_for(model, mode):
+    return PrivacyEngine(model.train(), torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=0.0,
+                         max_grad_norm=0.5, expected_batch_size=4, dataset_size=12, clipping_mode=mode,
+                         probe_batch=make_batch, probe_loss=probe_loss)
+
+
+def built(mixing):
+    torch.manual_seed(0)
+    return MixesWhen(mixing)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_examples_mixed_only_in_fp32_are_refused_though_the_fp64_probe_never_mixes(mode):
+    with pytest.raises(UserError, match=r"in the precision training runs in \(float32\).*examples interact"):
+        engine_for(built(IN_FP32), mode).verify()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_examples_mixed_only_under_autocast_are_refused_when_the_probe_knows_the_training_dtype(mode):
+    with pytest.raises(UserError, match=r"in the precision training runs in \(bfloat16\)"):
+        engine_for(built(UNDER_AUTOCAST), mode).verify(training_dtype=torch.bfloat16)
+
+
+def test_the_probe_at_the_first_training_forward_takes_the_autocast_it_runs_under():
+    # the probe's own fp64 passes run under that autocast too, and never mix; the check in fp32 without autocast
+    # would not mix either: only the check under the caller's autocast finds it
+    model = built(IN_FP32_UNDER_AUTOCAST)
+    engine = engine_for(model, "bookkeeping")
+    with pytest.raises(UserError, match=r"in the precision training runs in \(bfloat16\)"), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        losses(model, make_batch(4, 5, torch.Generator().manual_seed(3))["input_ids"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("training_dtype", [None, torch.bfloat16], ids=["fp32", "bf16_autocast"])
+def test_a_model_that_never_mixes_passes_in_either_precision(mode, training_dtype):
+    engine = engine_for(built(NEVER), mode)
+    report = engine.verify(training_dtype=training_dtype)
+    assert {row["status"] for row in report.table()} == {"exact"}
+    assert engine.verified
