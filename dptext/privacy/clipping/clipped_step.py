@@ -23,7 +23,7 @@ from dptext.privacy.clipping import sums as clipping
 from dptext.privacy.sharding.fsdp_controls import (check_resharded_after_backward, check_still_summing,
                                                   check_unshard_in_backward, gradient_sync_off, local_grads)
 from dptext.privacy.sharding.row_reduce import reduce_in_chunks
-from dptext.privacy.proof.step_checks import check_invariant, checked_uses
+from dptext.privacy.proof.step_checks import check_invariant, checked_uses, deferred_to_the_step
 from dptext.privacy.clipping.units import UnitIndex, unit_gradients_instantiated
 
 
@@ -132,11 +132,15 @@ def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = N
         raise UserError(NOTHING_RECORDED)
     param = engine.outside_reads.outside_read(per_example_loss)
     engine.outside_reads.clear()
+    if param is not None and not deferred_to_the_step(engine, outside_read_error(engine, param)):
+        engine.recorder.take_uses()  # one process (or the probe): at once
+        raise outside_read_error(engine, param)
+    # several processes: a read on one rank's data only refuses the batch at the step, on every rank, and this rank
+    # joins the others' collectives meanwhile (it used to raise here and leave them waiting; session-26 red team)
+    _norm_pass(engine, per_example_loss)
+    uses = checked_uses(engine, per_example_loss) if param is None else None
     if param is not None:
         engine.recorder.take_uses()
-        refuse_outside_read(engine, param)
-    _norm_pass(engine, per_example_loss)
-    uses = checked_uses(engine, per_example_loss)
     if uses is None:  # refused on this rank: under FSDP2 it still joins pass 2's reduce-scatter, adding nothing
         if _sharded(engine):
             engine.dp_optimizer.add_reduced(_sum_pass(engine, per_example_loss * 0), 0)
@@ -166,12 +170,16 @@ def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = N
 def refuse_outside_read(engine, param) -> None:
     """A parameter whose clipped sum autograd forms (ghost clipping, the hybrid's ghost treatment) read outside
     its layers: a path the norms do not see."""
+    raise outside_read_error(engine, param)
+
+
+def outside_read_error(engine, param) -> UserError:
     # the plan's names: under FSDP2 the model may hold gathered copies of its parameters right now
     name = engine.dp_optimizer.param_names.get(param, tuple(param.shape))
-    raise UserError(f"Parameter '{name}' is read outside the layers that own it (a functional use such as "
-                    "F.linear(h, embed.weight), or a second module reading it), a path ghost clipping's norms do "
-                    "not see; nothing from this batch was applied — call the owning module instead, or freeze "
-                    "the parameter.")
+    return UserError(f"Parameter '{name}' is read outside the layers that own it (a functional use such as "
+                     "F.linear(h, embed.weight), or a second module reading it), a path ghost clipping's norms do "
+                     "not see; nothing from this batch was applied — call the owning module instead, or freeze "
+                     "the parameter.")
 
 
 def ghost_join(engine, per_example_loss: Tensor) -> None:
