@@ -9,6 +9,7 @@ def verify_with_task(engine: Any, task: Any, model: Any, training_dtype: Any = N
     """The engine's start-up probe with the task's own synthetic batches (``task.probe_batch``: random ids and
     labels, never a record) and its own per-example loss, so a loss in which examples interact is refused too.
     ``training_dtype``: the run's autocast dtype (examples must not interact in it either)."""
+    options = {"training_dtype": training_dtype} if training_dtype is not None else {}
     engine.verify(make_batch=lambda examples, positions, generator: task.probe_batch(model, generator, examples,
                                                                                       positions),
-                  loss_fn=task.per_example_loss, training_dtype=training_dtype)
+                  loss_fn=task.per_example_loss, **options)

@@ -168,18 +168,18 @@ class EDPEngine:
         rank, world = self.distributed.rank, self.world_size
         return [i for i, slot in enumerate(self.slot_table) if slot % world == rank]
 
-    def verify(self, make_batch=None, loss_fn=None, **options) -> None:
+    def verify(self, make_batch=None, loss_fn=None, training_dtype=None, **options) -> None:
         """The start-up probe (``dptext.privacy.proof.edp_probe``): per-slot clipping against brute-force autograd on
         synthetic inputs (``make_batch(B, T, generator)``, ``loss_fn(model, batch)`` as for PrivacyEngine; without
-        them those given to the constructor, else random token ids and a fixed functional of the output)."""
+        them those given to the constructor, else random token ids and a fixed functional of the output).
+        ``training_dtype`` is PrivacyEngine's per-example check in that precision: a slot's examples share a clip."""
         make_batch, loss_fn = make_batch or self._probe_args[0], loss_fn or self._probe_args[1]
         self._verifying = True
         try:
             probe_edp(self, make_batch, loss_fn, **options)
         finally:
             self._verifying = False
-        self._probe_args = (make_batch, loss_fn)
-        self.verified = True
+        self._probe_args, self.verified = (make_batch, loss_fn), True
 
     def _prove_before_first_forward(self, module: nn.Module, args: tuple) -> None:
         """The model's first training forward (grad enabled, training mode) runs the probe first, unless the
