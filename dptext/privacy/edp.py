@@ -82,8 +82,7 @@ class EDPEngine:
     ``noise_multiplier`` is z_0 (noise std in units of C in the scaled space); the accountant's multiplier is
     ``accounting_noise_multiplier`` = z_0 / 2. ``verify`` (default True): the start-up probe runs before the
     model's first training forward, as PrivacyEngine's does (``probe_batch``/``probe_loss``: its inputs);
-    ``verify=False`` opts out, and ``mechanism()`` says the clipping was not verified.
-    """
+    ``verify=False`` opts out, and ``mechanism()`` says the clipping was not verified."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: float, sample_rate: float, dataset_size: int, micro_batches_per_device: int = 1,
