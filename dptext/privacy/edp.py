@@ -32,7 +32,6 @@ root-mean-square 1, floored at ``ALPHA_FLOOR``.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -46,12 +45,11 @@ from dptext.privacy.clipping.sums import STABILITY
 from dptext.privacy.proof.edp_probe import probe_edp
 from dptext.privacy.engine import PrivacyEngine
 from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
+from dptext.privacy.clipping.call_checks import refuse_mode_around
 from dptext.privacy.clipping.plan import _check_optimizer
+from dptext.privacy.edp_scaling import ALPHA_FLOOR, SCALINGS, alphas_from_gradients  # noqa: F401 (re-exported)
 from dptext.privacy.noise.randomness import RandomRoot, keyed_hash, randomness_note
 from dptext.privacy.sampling.sampler import make_sampler
-
-SCALINGS = ("uniform", "public", "first_step")
-ALPHA_FLOOR = 1e-3
 
 
 def hashed_slots(record_ids: Sequence[bytes], slots: int, key: bytes) -> list[int]:
@@ -62,16 +60,6 @@ def hashed_slots(record_ids: Sequence[bytes], slots: int, key: bytes) -> list[in
 # Adding or removing one example moves its slot's clipped gradient by up to 2C, whatever M and n are (see the
 # module docstring: a factor chosen from n would make the mechanism itself depend on the data)
 SENSITIVITY_FACTOR = 2
-
-
-def alphas_from_gradients(grads: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, float]:
-    """α_l ∝ ‖grad_l‖, normalised to root-mean-square 1 over the parameter tensors, floored at ALPHA_FLOOR."""
-    norms = {param: float(grad.float().norm()) for param, grad in grads.items()}
-    rms = math.sqrt(sum(n * n for n in norms.values()) / max(len(norms), 1))
-    if not rms > 0 or not math.isfinite(rms):
-        raise UserError("The gradient that sets eDP-SGD's scaling α is zero or not finite; use more (or other) "
-                        "examples for it, or privacy.edp_scaling=uniform.")
-    return {param: max(n / rms, ALPHA_FLOOR) for param, n in norms.items()}
 
 
 class EDPEngine:
@@ -198,6 +186,7 @@ class EDPEngine:
 
     def accumulate(self, per_example_loss: Tensor) -> None:
         """Backward pass of one physical chunk of the current micro-batch (gradients add up in .grad)."""
+        refuse_mode_around("accumulate")
         if per_example_loss.ndim != 1:
             raise UserError("Pass one loss per example (a 1-D tensor), not a batch-averaged scalar.")
         if per_example_loss.numel() == 0:
@@ -207,6 +196,7 @@ class EDPEngine:
 
     def close_unit(self) -> float | None:
         """Clip the micro-batch accumulated since the last call: Δ/α clipped to C; returns its scaled norm."""
+        refuse_mode_around("close_unit")  # (a mode could zero the norm: the unit would join unclipped)
         count, self._unit_examples = self._unit_examples, 0
         if count == 0:
             return None
@@ -229,6 +219,7 @@ class EDPEngine:
 
     def step(self, per_example_loss: Tensor | None = None) -> None:
         """Noise once in the scaled space, rescale by α, average over the M slots, update; accounts the step."""
+        refuse_mode_around("step")
         if per_example_loss is not None:
             self.accumulate(per_example_loss)
         self.close_unit()

@@ -36,11 +36,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from dptext.accounting import StepRun, calibrate_noise_multiplier, compute_epsilon
-from dptext.accounting.calibrate import check_training_accountant
+from dptext.accounting import StepRun, compute_epsilon
 from dptext.errors import UserError
 from dptext.privacy.clipping.clipped_step import backward_once, clip_recorded, exact_arithmetic, ghost_backward
 from dptext.privacy.clipping import hybrid, long_sequences
+from dptext.privacy.clipping.call_checks import refuse_mode_around
 from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
 from dptext.privacy.clipping.plan import _sampling_numbers
 from dptext.privacy.engine_plan import install_plan, remove_plan
@@ -51,7 +51,7 @@ from dptext.privacy.sharding.row_reduce import sum_chunks
 from dptext.privacy.sharding.sharded import check_sharded_context, sharded_optimizer
 from dptext.privacy.proof.step_checks import (check_loss, check_no_foreign_backward, check_trainable_set,
                                                check_hooks_as_planned, parameter_names, refuse_foreign_step)
-from dptext.privacy.settings import check_settings, describe_mechanism, fixed_setting
+from dptext.privacy.settings import check_settings, describe_mechanism, fixed_setting, target_noise_multiplier
 from dptext.privacy.clipping.units import LogicalBatchUnits, unit_index
 from dptext.privacy.sampling.user_sampler import UserPoissonSampler, make_user_sampler
 from dptext.privacy.proof.probe_model import needs_proof
@@ -213,6 +213,7 @@ class PrivacyEngine:
         """One logical DP step: optionally ``accumulate(per_example_loss)``, then noise once and update.
 
         Calling it with nothing accumulated is the step of an empty Poisson batch: noise only."""
+        refuse_mode_around("step")  # (a mode around the noise draw could zero it)
         if per_example_loss is not None:
             self.accumulate(per_example_loss)
         check_trainable_set(self)
@@ -262,9 +263,8 @@ class PrivacyEngine:
         ``accountant`` (rdp, prv or pld: one that gives a bound; GDP's CLT approximation is refused) calibrates;
         ask ``epsilon(delta, accountant)`` of the same one. Other ``options`` are those of the constructor
         (clipping_mode, seed, ledger, ...)."""
-        check_training_accountant(accountant)
-        q, _, _ = _sampling_numbers(sample_rate, dataset_size, expected_batch_size)
-        sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, method=accountant).noise_multiplier
+        sigma = target_noise_multiplier(target_epsilon, delta, steps, accountant, sample_rate, dataset_size,
+                                        expected_batch_size)
         return cls(model, optimizer, noise_multiplier=sigma, max_grad_norm=max_grad_norm, sample_rate=sample_rate,
                    dataset_size=dataset_size, expected_batch_size=expected_batch_size, **options)
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dptext.accounting import calibrate_noise_multiplier
+from dptext.accounting.calibrate import check_training_accountant
 from dptext.accounting.pld import MIN_SIGMA
 from dptext.errors import UserError
-from dptext.privacy.clipping.plan import _check_choice
+from dptext.privacy.clipping.plan import _check_choice, _sampling_numbers
 from dptext.privacy.noise.randomness import randomness_note
 from dptext.privacy.sharding.sharded import noise_site
 
@@ -18,6 +20,15 @@ FIXED_SETTING = ("{} is fixed when the privacy engine is built (the noise drawn,
                  "accounting all use it); build a new PrivacyEngine for another value.")
 CLIPPING_LAYOUTS = ("all_layer", "per_layer")
 SAMPLINGS = ("poisson", "shuffle")
+
+
+def target_noise_multiplier(target_epsilon: float, delta: float, steps: int, accountant: str, sample_rate,
+                            dataset_size, expected_batch_size) -> float:
+    """σ such that ``steps`` steps at the engine's sampling rate spend ``target_epsilon`` at ``delta`` by
+    ``accountant`` (one that gives a bound: GDP's CLT approximation is refused)."""
+    check_training_accountant(accountant)
+    q, _, _ = _sampling_numbers(sample_rate, dataset_size, expected_batch_size)
+    return calibrate_noise_multiplier(target_epsilon, delta, q, steps, method=accountant).noise_multiplier
 
 
 def fixed_setting(name: str) -> property:

@@ -18,6 +18,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from dptext.errors import UserError
 from dptext.privacy.clipping.plan import global_hook_keys
 
 HOOKS_AT_CALL = ("its forward hooks at this call differ from those the engine planned with (a hook registered only "
@@ -60,3 +61,44 @@ def dispatch_mode_at_call() -> str | None:
     modes = [mode for mode in _get_current_dispatch_mode_stack() if type(mode) not in TORCH_OWN]
     modes += [mode for mode in map(torch._C._get_dispatch_mode, INFRA_KEYS) if mode is not None]
     return DISPATCH_AT_CALL.format(type(modes[0]).__name__) if modes else None
+
+
+def selective_checkpoint_at_call() -> bool:
+    """Whether selective activation checkpointing's own modes are active now (a use recorded in a SAC region)."""
+    return included(PYTHON_KEY) and any(type(mode) in TORCH_OWN for mode in _get_current_dispatch_mode_stack())
+
+
+SELECTIVE_CHECKPOINT = ("Layer '{}' ran under selective activation checkpointing (torch.utils.checkpoint with "
+                        "context_fn=create_selective_checkpoint_contexts), which allows one backward pass per region "
+                        "where {} runs two; use clipping_mode='bookkeeping' (without max_stored_bytes) or plain "
+                        "activation checkpointing (no context_fn).")
+
+
+def refuse_selective_checkpoint(engine, two_passes: str) -> None:
+    """Before the first of two backward passes (ghost clipping, the hybrid's ghost treatment): a use recorded under
+    selective checkpointing would make torch's second pass fail half-way with its own error; one sentence instead."""
+    marked = [use.module for use in engine.recorder.uses if use.selective_checkpoint]
+    if marked:  # refused, the forward's records are dropped
+        engine.recorder.take_uses()
+        engine.outside_reads.clear()
+        raise UserError(SELECTIVE_CHECKPOINT.format(engine.names.get(marked[0], type(marked[0]).__name__), two_passes))
+
+
+MODE_AROUND_ENGINE = ("engine.{}() was called inside a {} ({}), code that can change the gradients of its backward "
+                      "pass or the noise of its step unseen by the engine's checks; call the engine outside such "
+                      "modes (torch.device(...) as a context manager is accepted).")
+
+
+def refuse_mode_around(call: str) -> None:
+    """At the start of the engine's ``accumulate``/``step`` (and eDP-SGD's ``close_unit``): no user function or
+    dispatch mode is active, nor torch's selective-checkpointing modes (only ever active inside a forward or its
+    recompute). A mode around the engine's own work could rescale the backward's output gradients, or zero the
+    noise draw, where no call check sees it (a red team's cases, tests/test_call_time_checks.py)."""
+    modes = [mode for mode in _get_current_function_mode_stack() if not isinstance(mode, DeviceContext)]
+    if modes:
+        raise UserError(MODE_AROUND_ENGINE.format(call, "TorchFunctionMode", type(modes[0]).__name__))
+    if included(PYTHON_KEY):
+        modes = list(_get_current_dispatch_mode_stack())
+        modes += [mode for mode in map(torch._C._get_dispatch_mode, INFRA_KEYS) if mode is not None]
+        if modes:
+            raise UserError(MODE_AROUND_ENGINE.format(call, "TorchDispatchMode", type(modes[0]).__name__))

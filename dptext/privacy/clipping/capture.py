@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.clipping.call_checks import foreign_code_at_call
+from dptext.privacy.clipping.call_checks import foreign_code_at_call, selective_checkpoint_at_call
 from dptext.privacy.clipping.use import Use
 from dptext.privacy.proof.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, in_graph, tensors_in
 from dptext.privacy.norms import MODEL_PATCHES
@@ -249,6 +249,7 @@ class UseRecorder:
                   kept_versions=tuple((x, x._version) for x in tensors_in(kept)))
         if not self.probing:  # (the probe's own hooks and mode are on while it runs)
             use.problem = foreign_code_at_call(module, self.hook_keys[module], self.global_hooks)
+        use.selective_checkpoint = selective_checkpoint_at_call()  # the probe's passes too: torch would fail them
         hooked, reshape = gradient_site(output)
         if hooked is output and output._base is not None:
             use.output_ref = weakref.ref(output)  # a hook on a view is bypassed if the view changes in place

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
+from dptext.privacy.clipping.call_checks import refuse_selective_checkpoint
 from dptext.privacy.sharding.fsdp_controls import (check_resharded_after_backward, check_still_summing,
                                                   check_unshard_in_backward, gradient_sync_off, local_grads)
 from dptext.privacy.sharding.row_reduce import reduce_in_chunks
@@ -127,6 +128,7 @@ def add_checked(engine, sums, norms_sq, norms, units: int) -> None:
 def ghost_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = None) -> Tensor:
     """Ghost clipping's two passes; returns the (B,) per-example norms (with ``units``, the per-unit norms)."""
     _check_summing(engine) if _sharded(engine) else _checked(engine, check_no_gradient_hooks)
+    refuse_selective_checkpoint(engine, "ghost clipping")
     if not engine.recorder.outputs():  # before the graph walk, which would blame a parameter for it
         engine.recorder.take_uses()
         raise UserError(NOTHING_RECORDED)
@@ -187,6 +189,7 @@ def ghost_join(engine, per_example_loss: Tensor) -> None:
     (a synthetic batch's) times 0, so that it joins the other ranks' all-gathers and reduce-scatters; it adds
     nothing, and keeps its rows of the others' clipped sums, which the reduce-scatter hands it."""
     _check_summing(engine)  # as ghost_backward does on the ranks with examples: all raise together
+    refuse_selective_checkpoint(engine, "ghost clipping")
     zero = per_example_loss * 0
     _norm_pass(engine, zero)
     for use in engine.recorder.take_uses():  # dropped unused (the retained graph would keep their tensors alive)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
+from dptext.privacy.clipping.call_checks import refuse_selective_checkpoint
 from dptext.privacy.clipping.clipped_step import (NOTHING_RECORDED, REENTRANT_CHECKPOINT, add_checked, coefficients,
                                                   exact_arithmetic, refuse_outside_read, refused_norms, units_of_rows)
 from dptext.privacy.clipping.units import UnitIndex
@@ -31,6 +32,7 @@ from dptext.privacy.proof.step_checks import checked_uses
 def hybrid_backward(engine, per_example_loss: Tensor, units: UnitIndex | None = None) -> Tensor:
     """The hybrid's two passes; returns the (B,) per-example norms (with ``units``, the per-unit norms)."""
     recorder = engine.recorder
+    refuse_selective_checkpoint(engine, "the ghost treatment of long sequences (max_stored_bytes)")
     edges = [use.edge for use in recorder.uses if use.edge is not None]
     if not edges:  # the loss was accumulated already (its records are gone), or nothing was recorded
         recorder.take_uses()

@@ -30,6 +30,7 @@ class Use:
     kept_versions: tuple = field(default=(), repr=False)  # (tensor, version) of what the rule kept
     # the hybrid's ghost treatment: {parameter name: (B,) squared norm} taken in the gradient hook, tensors released
     norm_sq: dict | None = field(default=None, repr=False)
+    selective_checkpoint: bool = False  # recorded under selective activation checkpointing (one backward allowed)
 
     def in_place_problem(self) -> str | None:
         """Why an in-place change makes this use's gradient untrustworthy (seen so far), or None."""

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 from dptext.privacy.clipping import sums as clipping
+from dptext.privacy.clipping.call_checks import refuse_mode_around
 from dptext.privacy.clipping.owned_params import frozen_since_plan
 from dptext.privacy.clipping.plan import global_hook_keys
 
@@ -119,7 +120,8 @@ def invariant_failed(name: str | None, why: str) -> UserError:
 
 def check_loss(engine, per_example_loss: Tensor, units: Tensor | None) -> None:
     """What ``accumulate`` is given: one loss per example that depends on a trained layer (an empty micro-batch
-    need not), and no units across processes."""
+    need not), and no units across processes; and that it runs inside no user mode (``refuse_mode_around``)."""
+    refuse_mode_around("accumulate")  # before anything is recorded or differentiated
     if per_example_loss.ndim != 1:
         raise UserError("Pass one loss per example (a 1-D tensor, e.g. from dptext.privacy.per_example_loss), "
                         "not a batch-averaged scalar.")
