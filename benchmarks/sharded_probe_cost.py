@@ -1,0 +1,131 @@
+"""Where the start-up probe's time goes on an FSDP2-sharded model: seconds and whole-model all-gathers per phase,
+against a DP step's, on 2 gloo processes.
+
+    python benchmarks/sharded_probe_cost.py [--model llama-medium] [--batch 2 --length 32] [--out FILE.json]
+
+The model is bench_fsdp.py's (a random Llama built in code, sharded per decoder layer and at the root); the engine
+is DP-Adam book-keeping with its default proof (``engine.verify()``, every rank together). FSDP2's all-gathers are
+counted by wrapping ``FSDPParamGroup.unshard`` (a unit's parameters, in whole-model units); each probe phase is
+timed by wrapping the function that runs it. Then three DP steps on ``--batch`` × ``--length`` random tokens per
+rank. On gloo a pass's cost is mostly its all-gathers, so the ratio of gathers is what the probe's time in DP steps
+follows at small batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
+
+PHASES = (("sharded_probe", "gathered_parameters"), ("probe_checks", "engine_forward"),
+          ("probe_checks", "reference_gradients"), ("probe_checks", "check_redrawn_examples"),
+          ("probe_checks", "check_loss_independence"), ("verify", "check_whole_forward"),
+          ("verify", "check_training_precision"))
+
+
+def instrument(seconds: collections.Counter, gathers: collections.Counter, phase: list) -> None:
+    """Wrap each phase's function (its seconds) and FSDP2's unshard (its parameters, under the current phase)."""
+    import importlib
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    for module_name, name in PHASES:
+        module = importlib.import_module(f"dptext.privacy.proof.{module_name}")
+        real = getattr(module, name, None)
+        if real is None:
+            continue
+
+        def timed(*args, _real=real, _name=name, **kwargs):
+            outer, phase[0], start = phase[0], _name, time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                seconds[_name] += time.perf_counter() - start
+                phase[0] = outer
+
+        setattr(module, name, functools.wraps(real)(timed))
+    unshard = FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):
+        gathers[phase[0]] += sum(param.sharded_param.numel() for param in self.fsdp_params)  # global sizes
+        return unshard(self, *args, **kwargs)
+
+    FSDPParamGroup.unshard = counted
+
+
+def worker(model_name: str, batch: int, length: int, out: Path) -> None:
+    import torch
+    from bench_fsdp import build_model
+
+    from dptext.finetune.distributed import current, release
+    from dptext.finetune.sharding import shard_model
+    from dptext.privacy import PrivacyEngine
+
+    seconds, gathers, phase = collections.Counter(), collections.Counter(), ["probe, other"]
+    instrument(seconds, gathers, phase)
+    ctx = current("cpu")
+    ctx.sharded = True
+    model = shard_model(build_model(model_name))
+    whole = sum(param.numel() for param in model.parameters())
+    engine = PrivacyEngine(model, torch.optim.Adam(model.parameters(), lr=1e-4), noise_multiplier=1.0,
+                           max_grad_norm=1.0, expected_batch_size=batch * 2, dataset_size=10_000, distributed=ctx,
+                           verify=False)
+    start = time.perf_counter()
+    engine.verify()
+    probe_seconds = time.perf_counter() - start
+    ids = torch.randint(0, 1000, (batch, length), generator=torch.Generator().manual_seed(ctx.rank))
+    steps = []
+    for _ in range(3):
+        phase[0], start = "DP step", time.perf_counter()
+        logits = model(input_ids=ids).logits
+        losses = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                   ids[:, 1:].reshape(-1), reduction="none").view(batch, -1).sum(1)
+        engine.accumulate(losses)
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    if ctx.rank == 0:
+        step = sorted(steps)[1]
+        probe_gathers = sum(count for name, count in gathers.items() if name != "DP step") / whole
+        result = {"model": model_name, "parameters": whole, "batch_per_rank": batch, "length": length,
+                  "probe_seconds": probe_seconds, "step_seconds": steps, "probe_in_dp_steps": probe_seconds / step,
+                  "probe_whole_model_gathers": probe_gathers,
+                  "dp_step_whole_model_gathers": gathers["DP step"] / whole / 3,
+                  "phases": {name: {"seconds": seconds[name], "whole_model_gathers": gathers[name] / whole}
+                             for name in dict.fromkeys([*seconds, *gathers]) if name != "DP step"}}
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    release()
+
+
+def main() -> None:
+    from two_ranks import free_port
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-medium")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("sharded_probe_cost.json"))
+    args = parser.parse_args()
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, __file__, "--worker", args.model, str(args.batch), str(args.length), str(args.out)]
+    procs = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    if any(proc.wait(timeout=1800) != 0 for proc in procs):
+        raise SystemExit("a rank failed")
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+    else:
+        main()
