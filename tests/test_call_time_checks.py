@@ -258,3 +258,34 @@ def test_a_hook_registered_before_the_engine_is_proven_and_stepped(hook, mode):
     finally:
         handle.remove()
     assert engine.steps == 1
+
+
+class Mixing(torch.Tensor):
+    """A tensor subclass in the training batch only (session-26 red team): at every linear layer it replaces each
+    row's input by example 0's, unseen by any mode or hook."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and args[0].ndim == 3:
+            with torch._C.DisableTorchFunctionSubclass():
+                x = args[0].as_subclass(torch.Tensor)
+                out = torch.nn.functional.linear(x[:1].expand_as(x) + 0 * x, *args[1:], **kwargs)
+            return out.as_subclass(cls)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
+def test_a_tensor_subclass_in_the_training_batch_is_refused_in_one_sentence(mode):
+    torch.manual_seed(0)
+    model = TinyLM().train()
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=0.5, expected_batch_size=8, dataset_size=100, clipping_mode=mode,
+                           probe_batch=lambda e, p, g: {"input_ids": torch.randint(0, 11, (e, p), generator=g)},
+                           probe_loss=lambda m, b: losses(m, b["input_ids"]))
+    engine.verify()
+    ids = torch.randint(0, 11, (8, 6), generator=torch.Generator().manual_seed(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UserError, match="tensor subclass \\(Mixing\\)"):
+        engine.step(losses(model, ids.as_subclass(Mixing)).as_subclass(torch.Tensor))
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))

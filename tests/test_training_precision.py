@@ -21,15 +21,20 @@ MODES = ("bookkeeping", "ghost", "per_sample")
 
 
 class MixesWhen(TinyLM):
-    """Every example's hidden state becomes example 0's where ``mixing()`` holds (a path the probe must see)."""
+    """Every example's hidden state becomes example 0's where ``mixing()`` holds (a path the probe must see); with
+    ``middle``, the middle examples' become example 1's (re-drawing the first or the last moves nothing)."""
 
-    def __init__(self, mixing):
+    def __init__(self, mixing, middle: bool = False):
         super().__init__()
-        self.mixing, self.drop = mixing, nn.Dropout(0.1)
+        self.mixing, self.middle, self.drop = mixing, middle, nn.Dropout(0.1)
 
     def forward(self, input_ids):
         hidden = self.drop(self.embed(input_ids))
-        if self.mixing(self):
+        if self.mixing(self) and self.middle:
+            rows = len(hidden)
+            hidden = torch.cat([hidden[:1], hidden[1:2].expand(rows - 2, *hidden.shape[1:]) + 0 * hidden[1:-1],
+                                hidden[-1:]])
+        elif self.mixing(self):
             hidden = hidden[:1].expand_as(hidden) + 0 * hidden
         for block in self.blocks:
             hidden = block(hidden)
@@ -38,6 +43,7 @@ class MixesWhen(TinyLM):
 
 IN_FP32 = lambda model: model.head.weight.dtype == torch.float32  # noqa: E731 - the probe's fp64 never is
 UNDER_AUTOCAST = lambda model: torch.is_autocast_enabled("cpu")  # noqa: E731
+IN_FP32_WITH_GRADIENTS = lambda model: IN_FP32(model) and torch.is_grad_enabled()  # noqa: E731
 IN_FP32_UNDER_AUTOCAST = lambda model: IN_FP32(model) and UNDER_AUTOCAST(model)  # noqa: E731
 NEVER = lambda model: False  # noqa: E731
 
@@ -56,15 +62,24 @@ def engine_for(model, mode):
                          probe_batch=make_batch, probe_loss=probe_loss)
 
 
-def built(mixing):
+def built(mixing, middle: bool = False):
     torch.manual_seed(0)
-    return MixesWhen(mixing)
+    return MixesWhen(mixing, middle)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_examples_mixed_only_in_fp32_are_refused_though_the_fp64_probe_never_mixes(mode):
     with pytest.raises(UserError, match=r"in the precision training runs in \(float32\).*examples interact"):
         engine_for(built(IN_FP32), mode).verify()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mixing, middle", [(IN_FP32_WITH_GRADIENTS, False), (IN_FP32, True)],
+                         ids=["only_with_gradients", "only_the_middle_examples"])
+def test_fp32_only_mixing_that_needs_gradients_or_spares_the_first_and_last_example_is_refused(mode, mixing, middle):
+    # session-26 red team, second round: the check ran without autograd and re-drew only the first and last example
+    with pytest.raises(UserError, match=r"in the precision training runs in \(float32\)"):
+        engine_for(built(mixing, middle), mode).verify()
 
 
 @pytest.mark.parametrize("mode", MODES)

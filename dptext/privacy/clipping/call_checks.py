@@ -102,3 +102,18 @@ def refuse_mode_around(call: str) -> None:
         modes += [mode for mode in map(torch._C._get_dispatch_mode, INFRA_KEYS) if mode is not None]
         if modes:
             raise UserError(MODE_AROUND_ENGINE.format(call, "TorchDispatchMode", type(modes[0]).__name__))
+
+
+SUBCLASS_AT_CALL = ("its {} is a tensor subclass ({}), whose __torch_function__ can change what the layer computes "
+                    "(mix examples, use its weight twice) unseen by its rule; pass plain tensors to the model")
+
+
+def subclass_at_call(inputs: tuple, output) -> str | None:
+    """Why a layer's call is untrusted for its tensors' types (session-26 red team: a ``__torch_function__``
+    subclass in the training batch, none in the probe's, mixed every row into example 0's at each linear), or
+    None. Plain tensors and parameters only."""
+    for what, value in [*(("input", each) for each in inputs), ("output", output)]:
+        if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, nn.Parameter):
+            return SUBCLASS_AT_CALL.format(what, type(value).__name__)
+    return None
+

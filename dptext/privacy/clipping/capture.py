@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.clipping.call_checks import foreign_code_at_call, selective_checkpoint_at_call
+from dptext.privacy.clipping.call_checks import foreign_code_at_call, selective_checkpoint_at_call, subclass_at_call
 from dptext.privacy.clipping.use import Use
 from dptext.privacy.proof.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, in_graph, tensors_in
 from dptext.privacy.norms import MODEL_PATCHES
@@ -231,6 +231,8 @@ class UseRecorder:
                            "a batch-shared tensor)")
         else:
             use.units = torch.arange(rows, device=output.device)
+        if use.problem is None and not self.probing:
+            use.problem = subclass_at_call(inputs, output)
         if self.probing and module in self._expanded:
             self.expansions[-1] = (module, self.expansions[-1][1], output)
         self._expanded.discard(module)

@@ -115,25 +115,65 @@ def plain_loss(engine, batch, loss_fn, device) -> Tensor:
 
 
 IN_TRAINING_PRECISION = "in the precision training runs in ({}), " + LOSSES_INTERACT
+ROWS_IN_TRAINING_PRECISION = "in the precision training runs in ({}), " + ROWS_INTERACT
 
 
 def check_training_precision(engine, report, batch, redraw, loss_fn, dtype, named: str) -> None:
     """Examples must not interact in the precision training computes in either: the probe's comparisons run in
     fp64 (or fp32 on a sharded or large model), so a forward that branches on its weights' dtype or on autocast
-    (found by the session-26 red team: every row replaced by example 0's, in bf16 only) would be proven on a path
-    training never takes. Without hooks or autograd, under ``dtype``'s autocast (None: none; an FSDP2 policy
-    gathers in bf16 by itself; ``named``: that precision in words): re-drawing the first, then the last example may move no other example's loss.
-    Same shapes, same kernels, same dropout masks, so the untouched rows agree to rounding (1 % here: bf16 keeps 8
-    bits; a mix of examples moves them by far more)."""
+    would be proven on a path training never takes (session-26 red teams: every row replaced by example 0's in bf16
+    only; then mixes only with gradients on, or only among the middle examples). So the re-draws run once more as
+    training's forward does — under ``dtype``'s autocast (None: none; an FSDP2 policy gathers in bf16 by itself),
+    with autograd and the engine's hooks on — every example in turn: no other example's loss nor any other row of a
+    recorded layer input may move. Same shapes, kernels and dropout masks, so untouched rows agree to rounding (in
+    half precision to 1 %: bf16 keeps 8 bits; a mix moves them by far more). ``named``: that precision in words.
+    What this cannot see is a coupling of examples in the backward pass only, with an unchanged forward."""
     device = engine.params[0].device
-    context = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
-    with context:
-        loss = plain_loss(engine, batch, loss_fn, device).float()
-        for example in dict.fromkeys((0, len(loss) - 1)):
-            other, keep = plain_loss(engine, redraw(example), loss_fn, device).float(), others(loss, example)
-            scale = float(loss.abs().max()) + 1e-6
-            moved = other.shape != loss.shape or not torch.allclose(other[keep], loss[keep], rtol=1e-2,
-                                                                     atol=1e-3 * scale)
-            if engine.distributed.any_rank(moved, device) if engine.distributed is not None else moved:
-                report.loss_problem = IN_TRAINING_PRECISION.format(named)
-                return
+    half = dtype is not None or named in ("bfloat16", "float16")
+    engine.recorder.take_uses()
+    engine.recorder.probing = True
+    try:
+        with torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext(), torch.enable_grad():
+            loss, rows = _hooked_pass(engine, batch, loss_fn, device)
+            for example in range(len(loss)):
+                other, other_rows = _hooked_pass(engine, redraw(example), loss_fn, device)
+                keep = others(loss, example)
+                problem = IN_TRAINING_PRECISION if other.shape != loss.shape or not _close(
+                    other[keep], loss[keep], half) else _rows_moved(rows, other_rows, keep, len(loss), half)
+                if engine.distributed.any_rank(bool(problem), device) if engine.distributed is not None \
+                        else problem:
+                    report.loss_problem = (problem or IN_TRAINING_PRECISION).format(named)
+                    return
+    finally:
+        engine.recorder.take_uses()
+        engine.recorder.probing = False
+
+
+def _hooked_pass(engine, batch, loss_fn, device) -> tuple[Tensor, dict]:
+    """Training's forward on ``batch`` (hooks and autograd on, the probe's dropout masks): its per-example loss and
+    each layer's k-th recorded input; the graph is dropped (no backward)."""
+    try:
+        with same_randomness(device):
+            loss = loss_fn(engine.model, batch).detach().float()
+    except RuntimeError as error:
+        raise ReferenceFailed(type(error).__name__) from error
+    rows = _by_occurrence((use.module, _first_tensor(use.activation)) for use in engine.recorder.uses)
+    engine.recorder.take_uses()
+    return loss, {key: None if value is None else value.detach() for key, value in rows.items()}
+
+
+def _close(a: Tensor, b: Tensor, half: bool) -> bool:
+    if not half:
+        return same_values(a, b)
+    scale = float(a.detach().abs().max()) if a.numel() else 0.0
+    return bool(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3 * scale + 1e-6))
+
+
+def _rows_moved(before: dict, after: dict, keep: Tensor, examples: int, half: bool) -> str | None:
+    for key, a in before.items():
+        b = after.get(key)
+        if a is None or b is None or a.shape != b.shape or len(a) != examples:
+            continue
+        if not _close(a[keep], b[keep], half):
+            return ROWS_IN_TRAINING_PRECISION
+    return None

@@ -47,6 +47,7 @@ from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_bat
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
                                              vocabulary_applied)
+from dptext.privacy.sharding.fsdp_controls import fsdp_modules
 from dptext.privacy.sharding.fsdp_precision import gathered_as_stored, half_policy, half_stored
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
@@ -182,6 +183,10 @@ def in_training_precision(engine: Any, report: ProbeReport, make_batch, loss_fn,
         check_training_precision(engine, report, batch, redraw, loss_fn, dtype, str(named).removeprefix("torch."))
     except ReferenceFailed as error:
         raise UserError(REFERENCE_FAILED.format(error)) from error
+    finally:
+        engine.zero_grad()
+        for unit in fsdp_modules(engine.model):  # forwards without a backward leave the root gathered
+            unit.reshard()
 
 
 def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) -> ProbeReport:
