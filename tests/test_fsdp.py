@@ -229,8 +229,9 @@ def outside_read_refusal(ctx) -> str:
     engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
                            max_grad_norm=C, expected_batch_size=N, dataset_size=N, clipping_mode="ghost",
                            distributed=ctx, verify=False)
-    try:
+    try:  # several processes: found in the micro-batch, refused at the step on every rank (nothing applied)
         engine.accumulate(losses(model, token_ids()[ctx.shard(N)]))
+        engine.step()
     except UserError as error:
         return str(error)
     return ""

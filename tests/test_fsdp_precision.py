@@ -4,8 +4,9 @@ With ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (``dptext finetune``'s
 the sharded model itself, its weights gathered in fp32 for its duration; then the run's policy is back: training
 gathers bf16 weights and its steps are bit for bit those of a model sharded in bf16 from the start whose engine
 took the verdict without a probe; a forward that mixes examples only in bf16 is refused (the probe re-draws
-examples once more with the policy's gathers). Weights stored in bf16 are refused in one sentence; ghost clipping under a bf16
-policy without a reduce dtype (FSDP2 then reduces the clipped sums in bf16) is refused at its first micro-batch.
+examples once more with the policy's gathers). Weights stored in bf16 are refused in one sentence; ghost clipping
+under a bf16 policy without a reduce dtype (FSDP2 then reduces the clipped sums in bf16) is refused at its first
+micro-batch.
 """
 
 from __future__ import annotations
