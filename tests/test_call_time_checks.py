@@ -289,3 +289,34 @@ def test_a_tensor_subclass_in_the_training_batch_is_refused_in_one_sentence(mode
     with pytest.raises(UserError, match="tensor subclass \\(Mixing\\)"):
         engine.step(losses(model, ids.as_subclass(Mixing)).as_subclass(torch.Tensor))
     assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
+class MixingWeight(nn.Parameter):
+    """A parameter subclass whose ``__torch_function__`` mixes every row of a linear layer's input into example
+    0's: the weight, not the batch, carries the foreign code."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and args[0].ndim == 3:
+            with torch._C.DisableTorchFunctionSubclass():
+                x = args[0]
+                return torch.nn.functional.linear(x[:1].expand_as(x) + 0 * x, *args[1:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "per_sample"])
+def test_a_tracked_weight_of_a_parameter_subclass_is_refused_in_one_sentence(mode):
+    torch.manual_seed(0)
+    model = TinyLM().train()
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=0.5, expected_batch_size=8, dataset_size=100, clipping_mode=mode,
+                           probe_batch=lambda e, p, g: {"input_ids": torch.randint(0, 11, (e, p), generator=g)},
+                           probe_loss=lambda m, b: losses(m, b["input_ids"]))
+    engine.verify()
+    fc = model.blocks[1].fc
+    fc.weight.__class__ = MixingWeight  # after the proof, as a quantisation or tracing library might wrap it
+    ids = torch.randint(0, 11, (8, 6), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(UserError, match="weight is a tensor subclass \\(MixingWeight\\)"):
+        engine.step(losses(model, ids))

@@ -104,16 +104,29 @@ def refuse_mode_around(call: str) -> None:
             raise UserError(MODE_AROUND_ENGINE.format(call, "TorchDispatchMode", type(modes[0]).__name__))
 
 
+ENGINE_CLASSES = "dptext.privacy.clipping.owned_params"  # EngineParameter, EngineDTensor: a freeze noted, else plain
 SUBCLASS_AT_CALL = ("its {} is a tensor subclass ({}), whose __torch_function__ can change what the layer computes "
                     "(mix examples, use its weight twice) unseen by its rule; pass plain tensors to the model")
 
 
-def subclass_at_call(inputs: tuple, output) -> str | None:
+def subclass_at_call(inputs: tuple, output, weights: tuple = ()) -> str | None:
     """Why a layer's call is untrusted for its tensors' types (session-26 red team: a ``__torch_function__``
     subclass in the training batch, none in the probe's, mixed every row into example 0's at each linear), or
-    None. Plain tensors and parameters only."""
-    for what, value in [*(("input", each) for each in inputs), ("output", output)]:
-        if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, nn.Parameter):
+    None. Plain tensors and parameters only: its inputs, its output and its tracked weights as the call sees them."""
+    for what, value in [*(("input", each) for each in inputs), ("output", output), *(("weight", w) for w in weights)]:
+        if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, nn.Parameter) \
+                and type(value).__module__ != ENGINE_CLASSES:  # the engine's own parameter classes are plain ones
             return SUBCLASS_AT_CALL.format(what, type(value).__name__)
     return None
+
+
+def weights_at_call(module: nn.Module, names: tuple) -> tuple:
+    """The tracked parameters ``names`` of ``module`` as registered now (under FSDP2, the gathered ones)."""
+    found = []
+    for name in names:
+        try:
+            found.append(module.get_parameter(name))
+        except AttributeError:
+            continue
+    return tuple(found)
 

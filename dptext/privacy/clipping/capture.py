@@ -35,7 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.clipping.call_checks import foreign_code_at_call, selective_checkpoint_at_call, subclass_at_call
+from dptext.privacy.clipping.call_checks import (foreign_code_at_call, selective_checkpoint_at_call, subclass_at_call,
+                                                 weights_at_call)
 from dptext.privacy.clipping.use import Use
 from dptext.privacy.proof.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, in_graph, tensors_in
 from dptext.privacy.norms import MODEL_PATCHES
@@ -232,7 +233,7 @@ class UseRecorder:
         else:
             use.units = torch.arange(rows, device=output.device)
         if use.problem is None and not self.probing:
-            use.problem = subclass_at_call(inputs, output)
+            use.problem = subclass_at_call(inputs, output, weights_at_call(module, names))
         if self.probing and module in self._expanded:
             self.expansions[-1] = (module, self.expansions[-1][1], output)
         self._expanded.discard(module)
