@@ -105,3 +105,87 @@ def test_a_model_that_never_mixes_passes_in_either_precision(mode, training_dtyp
     report = engine.verify(training_dtype=training_dtype)
     assert {row["status"] for row in report.table()} == {"exact"}
     assert engine.verified
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_proof_made_outside_autocast_is_made_again_when_training_runs_under_one(mode):
+    # session-26 red team, third round: verify() outside autocast, then training under bf16 autocast, skipped the
+    # training-precision re-draws of the precision training actually ran in
+    model = built(IN_FP32_UNDER_AUTOCAST)
+    engine = engine_for(model, mode)
+    engine.verify()  # outside autocast: fp32 re-draws, no mixing there
+    ids = make_batch(4, 5, torch.Generator().manual_seed(3))["input_ids"]
+    with pytest.raises(UserError, match=r"in the precision training runs in \(bfloat16\)"), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        losses(model, ids)
+
+
+def never_mixing() -> tuple:
+    """(model, engine, ids): a model that never mixes, its book-keeping engine, a batch of 4."""
+    model = built(NEVER)
+    return model, engine_for(model, "bookkeeping"), make_batch(4, 5, torch.Generator().manual_seed(3))["input_ids"]
+
+
+def test_an_autocast_switched_inside_a_logical_batch_is_refused_in_one_sentence():
+    model, engine, ids = never_mixing()
+    engine.accumulate(losses(model, ids))  # proven without autocast, one micro-batch in
+    with pytest.raises(UserError, match="autocast changed inside a logical batch"), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        losses(model, ids)
+
+
+def test_the_same_autocast_as_the_proof_does_not_prove_again():
+    model, engine, ids = never_mixing()
+    engine.verify(training_dtype=torch.bfloat16)
+    calls = []
+    engine.verify = lambda *args, **kwargs: calls.append(args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.accumulate(losses(model, ids))
+    engine.step()
+    assert calls == []
+
+
+class Mixing(torch.Tensor):
+    """A padding-mask-like tensor subclass in the training batch (session-26 red team, third round): its multiply
+    hands back a plain tensor with every row replaced by example 0's, so no tracked layer ever sees a subclass."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.__mul__ and isinstance(out, torch.Tensor) and out.ndim == 3:
+            return out[:1].expand_as(out) + 0 * out
+        return out
+
+
+class Masked(TinyLM):
+    def forward(self, input_ids, mask=None):
+        hidden = self.embed(input_ids)
+        if mask is not None:  # given in a list (a nested input)
+            hidden = hidden * mask[0][..., None]
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tensor_subclass_anywhere_in_the_model_inputs_is_refused_in_one_sentence(mode):
+    torch.manual_seed(0)
+    model = Masked()
+    engine = engine_for(model, mode)
+    engine.verify()
+    ids = make_batch(8, 5, torch.Generator().manual_seed(3))["input_ids"]
+    mask = torch.ones(8, 5).as_subclass(Mixing)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UserError, match=r"model input is a tensor subclass \(Mixing\)"):
+        logits = model(ids, mask=[mask])  # nested in a list: found all the same
+        engine.step(nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1),
+                                                reduction="none").view(8, -1).sum(dim=1))
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
+def test_a_per_example_loss_of_a_tensor_subclass_is_refused():
+    model, engine, ids = never_mixing()
+    with pytest.raises(UserError, match="per-example loss is a tensor subclass"):
+        engine.accumulate(losses(model, ids).as_subclass(Mixing))
+

@@ -79,7 +79,8 @@ def build_banded_mf(training: Any, dist: Any, probe_now: bool = True) -> None:
     training.ledger.mechanism = training.engine.mechanism()
     sharded = getattr(dist, "sharded", False)
     if probe_now and sharded and proven_before_sharding(recipe, training.device, training.model):
-        mark_verified(training.engine)  # probed on the whole model before fully_shard (bf16: prove_then_shard)
+        # probed on the whole model before fully_shard (weights stored in bf16: prove_then_shard)
+        mark_verified(training.engine, training.autocast_dtype)
     elif privacy.verify and probe_now:
         verify_with_task(training.engine, training.task, training.model, training.autocast_dtype)
     training.sampler = training.engine.sampler(plan.steps)

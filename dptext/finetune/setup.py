@@ -212,7 +212,7 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
             max_stored_bytes=privacy.max_stored_bytes,  # long sequences: the hybrid (privacy/clipping/hybrid.py)
             sequence_length=recipe.data.max_length if privacy.max_stored_bytes is not None else None)
         if probe_now and dist.sharded and proven_before_sharding(recipe, device, model):  # proven before fully_shard
-            mark_verified(training.engine)
+            mark_verified(training.engine, training.autocast_dtype)
         elif privacy.verify and probe_now:
             verify_with_task(training.engine, task, model, training.autocast_dtype)
         training.sampler = (training.engine.sampler(plan.steps) if users is None else

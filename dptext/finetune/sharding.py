@@ -142,10 +142,11 @@ def on_first_rank(prove) -> None:
         raise UserError(verdict[0])
 
 
-def mark_verified(engine: Any) -> None:
+def mark_verified(engine: Any, autocast_dtype: Any = None) -> None:
     """The engine on the sharded model takes the verdict of the probe on the same modules before ``fully_shard``
-    (``prove_then_shard``, weights stored in half precision)."""
+    (``prove_then_shard``, weights stored in half precision), for the run's autocast."""
     engine.verified, engine.proven_modes = True, training_modes(engine.model)  # the flags it was proven in
+    engine.proven_autocast = autocast_dtype
     engine.recorder.verified = set(engine.tracked)
 
 

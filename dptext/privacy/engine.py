@@ -179,7 +179,7 @@ class PrivacyEngine:
             self._verifying = False
         self._probe_args = (make_batch, loss_fn)
         report.raise_if_refused()
-        self.verified, self.proven_modes = True, report.modes
+        self.verified, self.proven_modes, self.proven_autocast = True, report.modes, report.training_dtype
         self.recorder.verified = set(self.tracked)
         return report
 

@@ -11,6 +11,8 @@ hooks are the probe's): a problem found here makes the use untrusted, and the st
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
@@ -117,6 +119,23 @@ def subclass_at_call(inputs: tuple, output, weights: tuple = ()) -> str | None:
         if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, nn.Parameter) \
                 and type(value).__module__ != ENGINE_CLASSES:  # the engine's own parameter classes are plain ones
             return SUBCLASS_AT_CALL.format(what, type(value).__name__)
+    return None
+
+
+def subclass_in_batch(args: tuple, kwargs: dict) -> str | None:
+    """Why a model call is untrusted for a tensor subclass anywhere in its inputs (nested in lists, tuples and
+    mappings), or None: it need not reach a tracked layer to mix examples (a padding mask whose multiply handed
+    back plain rows of example 0, session-26 red team), and the probe's synthetic batches never carry one."""
+    pending, seen = [*args, *kwargs.values()], 0
+    while pending and seen < 10_000:  # a batch is a few tensors; the bound keeps a cyclic structure finite
+        value, seen = pending.pop(), seen + 1
+        if isinstance(value, torch.Tensor):
+            if type(value) not in (torch.Tensor, nn.Parameter):
+                return SUBCLASS_AT_CALL.format("model input", type(value).__name__)
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif isinstance(value, Mapping):
+            pending.extend(value.values())
     return None
 
 

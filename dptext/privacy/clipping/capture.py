@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from dptext.errors import UserError
 from dptext.privacy.clipping.call_checks import (foreign_code_at_call, selective_checkpoint_at_call, subclass_at_call,
-                                                 weights_at_call)
+                                                 subclass_in_batch, weights_at_call)
 from dptext.privacy.clipping.use import Use
 from dptext.privacy.proof.in_place import INPUT_IN_PLACE, IN_PLACE, gradient_site, in_graph, tensors_in
 from dptext.privacy.norms import MODEL_PATCHES
@@ -88,6 +88,7 @@ class UseRecorder:
         self.names = names or {}
         self.verified: set[nn.Module] = set()
         self.probing = False  # the probe keeps outputs and expansions and lets unverified calls through
+        self.batch_problem: str | None = None  # a tensor subclass in the model call's inputs (``call_checks``)
         self.uses: list[Use] = []
         self.expansions: list[tuple[nn.Module, tuple, Tensor]] = []
         self.batch_size: int | None = None
@@ -156,6 +157,7 @@ class UseRecorder:
     def _on_model_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.active():
             self.batch_size = model_batch_size(args, kwargs)
+            self.batch_problem = None if self.probing else subclass_in_batch(args, kwargs)
 
     def _on_model_return(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._check_pending()
@@ -233,7 +235,7 @@ class UseRecorder:
         else:
             use.units = torch.arange(rows, device=output.device)
         if use.problem is None and not self.probing:
-            use.problem = subclass_at_call(inputs, output, weights_at_call(module, names))
+            use.problem = self.batch_problem or subclass_at_call(inputs, output, weights_at_call(module, names))
         if self.probing and module in self._expanded:
             self.expansions[-1] = (module, self.expansions[-1][1], output)
         self._expanded.discard(module)

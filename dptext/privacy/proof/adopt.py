@@ -27,8 +27,9 @@ def adopt_proof(engine: Any, report: Any) -> None:
     except UserError:
         engine.detach()
         raise
-    engine.verified, engine.proven_modes = True, report.modes or None  # a training forward in other train/eval
-    engine.recorder.verified = set(engine.tracked)                     # flags is proven again
+    # a training forward in other train/eval flags or under another autocast is proven again
+    engine.verified, engine.proven_modes, engine.proven_autocast = True, report.modes or None, report.training_dtype
+    engine.recorder.verified = set(engine.tracked)
 
 
 def _check_adopted(engine: Any, report: Any) -> None:

@@ -84,15 +84,25 @@ def _all_zero(tensor: torch.Tensor) -> bool:
 
 
 def needs_proof(engine) -> bool:
-    """Whether a training forward must be proven first: never proven, or proven in other train/eval flags (a
-    proof adopted from before ``fully_shard`` carries its flags too). Flags changed inside a logical batch are
-    refused: a proof then would add its synthetic sums to the batch's."""
+    """Whether a training forward must be proven first: never proven, proven in other train/eval flags (a proof
+    adopted from before ``fully_shard`` carries its flags too), or under another autocast than this forward's (its
+    re-draws in the training precision ran without it: session-26 red team, ``verify()`` then training under bf16
+    autocast). Flags changed inside a logical batch are refused: a proof then would add its synthetic sums to the
+    batch's."""
     if not engine.verified:
         return True
-    if engine.proven_modes is None or engine.proven_modes == training_modes(engine.model):
+    same_modes = engine.proven_modes is None or engine.proven_modes == training_modes(engine.model)
+    if same_modes and autocast_now(engine) == getattr(engine, "proven_autocast", None):
         return False
     if engine.dp_optimizer.in_logical_batch():
-        raise UserError("The model's train/eval flags changed inside a logical batch (a forward that calls .eval() "
-                        "or .train() on part of the model); change them between steps, so that the start-up probe "
-                        "proves the new forward before its first batch.")
+        raise UserError("The model's train/eval flags or its autocast changed inside a logical batch (a forward that "
+                        "calls .eval() or .train() on part of the model, or one micro-batch under torch.autocast and "
+                        "another not); change them between steps, so that the start-up probe proves the new forward "
+                        "before its first batch.")
     return True
+
+
+def autocast_now(engine):
+    """The autocast dtype active for the engine's device now, or None."""
+    kind = engine.params[0].device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None

@@ -122,6 +122,9 @@ def check_loss(engine, per_example_loss: Tensor, units: Tensor | None) -> None:
     """What ``accumulate`` is given: one loss per example that depends on a trained layer (an empty micro-batch
     need not), and no units across processes; and that it runs inside no user mode (``refuse_mode_around``)."""
     refuse_mode_around("accumulate")  # before anything is recorded or differentiated
+    if type(per_example_loss) is not Tensor:  # its __torch_function__ would run in the engine's own arithmetic
+        raise UserError(f"The per-example loss is a tensor subclass ({type(per_example_loss).__name__}); pass a "
+                        "plain tensor (e.g. loss.as_subclass(torch.Tensor) after checking what the subclass does).")
     if per_example_loss.ndim != 1:
         raise UserError("Pass one loss per example (a 1-D tensor, e.g. from dptext.privacy.per_example_loss), "
                         "not a batch-averaged scalar.")

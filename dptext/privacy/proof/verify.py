@@ -80,6 +80,7 @@ class ProbeReport:
     compared: int = 0  # layers compared with brute force themselves; the others share their pattern's verdict
     notes: list[str] = field(default_factory=list)
     modes: tuple = ()  # each module's train/eval flag the probe ran in (dropout, batch statistics on or off)
+    training_dtype: Any = None  # the autocast dtype its training-precision re-draws ran under (None: none)
     plan: tuple = ()  # the engine settings the proof is about (``proof_plan``)
 
     def refuse(self, module: nn.Module, why: str) -> None:
@@ -166,6 +167,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
             if view is not None else None
     if problem is not None:
         raise UserError(DISAGREE.format(problem))
+    report.training_dtype = training_dtype
     probed_in = None if view is not None else probe_dtype(model, device) if dtype == "auto" else dtype
     if not (report.loss_problem or report.refused()) and (training_dtype is not None or half_policy(model) or (
             probed_in is not None and probed_in != engine.params[0].dtype)):
