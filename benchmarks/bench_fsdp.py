@@ -54,15 +54,17 @@ def rss_bytes() -> int:
 
 
 class PeakRss:
-    """The largest resident set size of this process, sampled every 5 ms while active."""
+    """The largest resident set size of this process (or another of its sizes, ``sample``), sampled every 5 ms
+    while active."""
 
-    def __init__(self):
-        self.peak, self._stop = rss_bytes(), threading.Event()
+    def __init__(self, sample=rss_bytes):
+        self.sample = sample
+        self.peak, self._stop = sample(), threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_bytes())
+            self.peak = max(self.peak, self.sample())
 
     def __enter__(self):
         self._thread.start()

@@ -18,39 +18,30 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_fsdp import PeakRss  # noqa: E402
 
 
-def resident() -> dict[str, int]:
-    """This process's resident bytes: anonymous (RssAnon) and in all (VmRSS, file pages of memory maps included)."""
+def status_bytes(field: str) -> int:
+    """One size of this process from /proc/self/status: RssAnon (anonymous) or VmRSS (file pages of memory maps
+    included)."""
     with open("/proc/self/status") as status:
-        fields = dict(line.split(":", 1) for line in status if ":" in line)
-    return {key: int(fields[key].split()[0]) * 1024 for key in ("RssAnon", "VmRSS")}
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 
 
-class PeakResident:
-    """The largest RssAnon and VmRSS of this process while active, each sampled every 5 ms."""
+def anonymous_bytes() -> int:
+    return status_bytes("RssAnon")
 
-    def __init__(self):
-        self.peak, self._stop = resident(), threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = {key: max(value, now) for (key, value), now in zip(self.peak.items(), resident().values())}
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+def resident_bytes() -> int:
+    return status_bytes("VmRSS")
 
 
 def save_folder(folder: Path, layers: int) -> int:
@@ -77,8 +68,8 @@ def worker(folder: Path, path: str, out: Path) -> None:
     from dptext.finetune.distributed import current, release
 
     ctx = current("cpu")
-    before, start = resident(), time.monotonic()
-    with PeakResident() as peak:
+    before, start = {"anonymous": anonymous_bytes(), "resident": resident_bytes()}, time.monotonic()
+    with PeakRss(anonymous_bytes) as anonymous, PeakRss(resident_bytes) as resident:
         if path == "meta":
             from dptext.finetune.meta_load import meta_loaded
 
@@ -93,8 +84,8 @@ def worker(folder: Path, path: str, out: Path) -> None:
             shard_model(model)
         torch.distributed.barrier()
     row = {"rank": ctx.rank, "path": path, "seconds": time.monotonic() - start,
-           "peak_anonymous_above_start_bytes": peak.peak["RssAnon"] - before["RssAnon"],
-           "peak_resident_above_start_bytes": peak.peak["VmRSS"] - before["VmRSS"]}
+           "peak_anonymous_above_start_bytes": anonymous.peak - before["anonymous"],
+           "peak_resident_above_start_bytes": resident.peak - before["resident"]}
     (out / f"{path}-rank{ctx.rank}.json").write_text(json.dumps(row))
     release()
 

@@ -260,6 +260,18 @@ def test_a_hook_registered_before_the_engine_is_proven_and_stepped(hook, mode):
     assert engine.steps == 1
 
 
+def proven_tiny_lm(mode: str) -> tuple:
+    """(model, engine): a TinyLM in training mode and its engine, proven on the probe's plain batches."""
+    torch.manual_seed(0)
+    model = TinyLM().train()
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=0.5, expected_batch_size=8, dataset_size=100, clipping_mode=mode,
+                           probe_batch=lambda e, p, g: {"input_ids": torch.randint(0, 11, (e, p), generator=g)},
+                           probe_loss=lambda m, b: losses(m, b["input_ids"]))
+    engine.verify()
+    return model, engine
+
+
 class Mixing(torch.Tensor):
     """A tensor subclass in the training batch only (session-26 red team): at every linear layer it replaces each
     row's input by example 0's, unseen by any mode or hook."""
@@ -277,13 +289,7 @@ class Mixing(torch.Tensor):
 
 @pytest.mark.parametrize("mode", ["bookkeeping", "ghost", "per_sample"])
 def test_a_tensor_subclass_in_the_training_batch_is_refused_in_one_sentence(mode):
-    torch.manual_seed(0)
-    model = TinyLM().train()
-    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-                           max_grad_norm=0.5, expected_batch_size=8, dataset_size=100, clipping_mode=mode,
-                           probe_batch=lambda e, p, g: {"input_ids": torch.randint(0, 11, (e, p), generator=g)},
-                           probe_loss=lambda m, b: losses(m, b["input_ids"]))
-    engine.verify()
+    model, engine = proven_tiny_lm(mode)
     ids = torch.randint(0, 11, (8, 6), generator=torch.Generator().manual_seed(1))
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(UserError, match="tensor subclass \\(Mixing\\)"):
@@ -308,13 +314,7 @@ class MixingWeight(nn.Parameter):
 
 @pytest.mark.parametrize("mode", ["bookkeeping", "per_sample"])
 def test_a_tracked_weight_of_a_parameter_subclass_is_refused_in_one_sentence(mode):
-    torch.manual_seed(0)
-    model = TinyLM().train()
-    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-                           max_grad_norm=0.5, expected_batch_size=8, dataset_size=100, clipping_mode=mode,
-                           probe_batch=lambda e, p, g: {"input_ids": torch.randint(0, 11, (e, p), generator=g)},
-                           probe_loss=lambda m, b: losses(m, b["input_ids"]))
-    engine.verify()
+    model, engine = proven_tiny_lm(mode)
     fc = model.blocks[1].fc
     fc.weight.__class__ = MixingWeight  # after the proof, as a quantisation or tracing library might wrap it
     ids = torch.randint(0, 11, (8, 6), generator=torch.Generator().manual_seed(1))

@@ -32,6 +32,7 @@ from dptext.finetune.validate import check_records, copies_in_training
 from dptext.models import load_tokenizer
 from dptext.privacy import PrivacyEngine
 from dptext.privacy.sampling.sampler import make_sampler
+from dptext.privacy.sharding.sharded import is_sharded
 from dptext.tasks import build_task
 
 CPU_PHYSICAL_BATCH = 16  # CPU RAM is rarely the limit at these model sizes; an OOM there kills the process
@@ -95,10 +96,6 @@ def whole_model(recipe: Any, task: Any, device: torch.device, dist: Any) -> Any:
     model.train()
     dist.broadcast_parameters(model)
     return model
-
-
-def model_sharded(model: Any) -> bool:
-    return any(hasattr(param, "to_local") for param in model.parameters())
 
 
 def untie_output_embedding(model: Any) -> None:
@@ -173,7 +170,8 @@ def build_training(recipe: Any, probe_now: bool = True) -> Training:
     if model is None:
         model = whole_model(recipe, task, device, dist)
     seed_everything(recipe.train.seed, "dropout", dist.rank)  # dropout: a stream apart from initialisation
-    if dist.sharded and not model_sharded(model):  # the optimizer and the engine are built on the sharded parameters
+    # the optimizer and the engine are built on the sharded parameters (the meta path sharded them already)
+    if dist.sharded and not any(is_sharded(param) for param in model.parameters()):
         model = prove_then_shard(recipe, task, model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(recipe, params)

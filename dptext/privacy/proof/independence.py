@@ -72,22 +72,15 @@ def check_redrawn_examples(engine, report, redraw, loss_fn, device, loss, rows_b
     the values compared are computed the same way (see ``check_loss_independence``)."""
     engine.recorder.take_uses()
     engine.recorder.probing = True
+    before = _by_occurrence(rows_before)
     for example in range(len(loss)):
-        with same_randomness(device):
-            other = loss_fn(engine.model, redraw(example)).detach()
-        changed_uses = list(engine.recorder.uses)
-        engine.recorder.take_uses()
+        other, after = _hooked_pass(engine, redraw(example), loss_fn, device)
         keep = others(loss, example)
         if anywhere(engine, other.shape != loss.shape or not same_values(other[keep], loss[keep])):
             report.loss_problem = LOSSES_INTERACT
             return
-        after = _by_occurrence((use.module, _first_tensor(use.activation)) for use in changed_uses)
-        for key, a in _by_occurrence(rows_before).items():  # each layer's k-th call before and after the redraw
-            b = after.get(key)  # (not by position: a redraw that changes which layers run must not shift them)
-            if a is None or b is None or a.shape != b.shape or len(a) != len(loss):
-                continue
-            if not same_values(a[keep], b[keep]):
-                report.refuse(key[0], ROWS_INTERACT)
+        for module in _moved_rows(before, after, keep, len(loss), same_values):
+            report.refuse(module, ROWS_INTERACT)
 
 
 def _by_occurrence(rows) -> dict[tuple, Tensor | None]:
@@ -118,62 +111,60 @@ IN_TRAINING_PRECISION = "in the precision training runs in ({}), " + LOSSES_INTE
 ROWS_IN_TRAINING_PRECISION = "in the precision training runs in ({}), " + ROWS_INTERACT
 
 
-def check_training_precision(engine, report, batch, redraw, loss_fn, dtype, named: str) -> None:
+def check_training_precision(engine, report, batch, redraw, loss_fn, autocast_dtype, computes_in) -> None:
     """Examples must not interact in the precision training computes in either: the probe's comparisons run in
     fp64 (or fp32 on a sharded or large model), so a forward that branches on its weights' dtype or on autocast
     would be proven on a path training never takes (session-26 red teams: every row replaced by example 0's in bf16
     only; then mixes only with gradients on, or only among the middle examples). So the re-draws run once more as
-    training's forward does — under ``dtype``'s autocast (None: none; an FSDP2 policy gathers in bf16 by itself),
-    with autograd and the engine's hooks on — every example in turn: no other example's loss nor any other row of a
-    recorded layer input may move. Same shapes, kernels and dropout masks, so untouched rows agree to rounding (in
-    half precision to 1 %: bf16 keeps 8 bits; a mix moves them by far more). ``named``: that precision in words.
-    What this cannot see is a coupling of examples in the backward pass only, with an unchanged forward."""
+    training's forward does — under ``autocast_dtype``'s autocast (None: none; an FSDP2 policy gathers in bf16 by
+    itself), with autograd and the engine's hooks on — every example in turn: no other example's loss nor any other
+    row of a recorded layer input may move. Same shapes, kernels and dropout masks, so untouched rows agree to
+    rounding (in half precision to 1 %: bf16 keeps 8 bits; a mix moves them by far more). ``computes_in``: the
+    dtype the forward computes in. What this cannot see is a coupling of examples in the backward pass only, with
+    an unchanged forward."""
     device = engine.params[0].device
-    half = dtype is not None or named in ("bfloat16", "float16")
+    close = _close_in_half if computes_in in (torch.bfloat16, torch.float16) else same_values
     engine.recorder.take_uses()
     engine.recorder.probing = True
     try:
-        with torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext(), torch.enable_grad():
+        with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext(), \
+                torch.enable_grad():
             loss, rows = _hooked_pass(engine, batch, loss_fn, device)
             for example in range(len(loss)):
                 other, other_rows = _hooked_pass(engine, redraw(example), loss_fn, device)
                 keep = others(loss, example)
-                problem = IN_TRAINING_PRECISION if other.shape != loss.shape or not _close(
-                    other[keep], loss[keep], half) else _rows_moved(rows, other_rows, keep, len(loss), half)
+                problem = IN_TRAINING_PRECISION if other.shape != loss.shape or not close(other[keep], loss[keep]) \
+                    else ROWS_IN_TRAINING_PRECISION if _moved_rows(rows, other_rows, keep, len(loss), close) else None
                 if engine.distributed.any_rank(bool(problem), device) if engine.distributed is not None \
                         else problem:
-                    report.loss_problem = (problem or IN_TRAINING_PRECISION).format(named)
+                    report.loss_problem = (problem or IN_TRAINING_PRECISION).format(
+                        str(computes_in).removeprefix("torch."))
                     return
+    except RuntimeError as error:  # the model's own forward fails in that precision: nothing is proven there
+        raise ReferenceFailed(type(error).__name__) from error
     finally:
         engine.recorder.take_uses()
         engine.recorder.probing = False
 
 
 def _hooked_pass(engine, batch, loss_fn, device) -> tuple[Tensor, dict]:
-    """Training's forward on ``batch`` (hooks and autograd on, the probe's dropout masks): its per-example loss and
-    each layer's k-th recorded input; the graph is dropped (no backward)."""
-    try:
-        with same_randomness(device):
-            loss = loss_fn(engine.model, batch).detach().float()
-    except RuntimeError as error:
-        raise ReferenceFailed(type(error).__name__) from error
+    """A forward on ``batch`` with the engine's hooks recording (the probe's dropout masks): its per-example loss
+    and each layer's k-th recorded input; the uses are dropped (no backward)."""
+    with same_randomness(device):
+        loss = loss_fn(engine.model, batch).detach()
     rows = _by_occurrence((use.module, _first_tensor(use.activation)) for use in engine.recorder.uses)
     engine.recorder.take_uses()
-    return loss, {key: None if value is None else value.detach() for key, value in rows.items()}
+    return loss, rows
 
 
-def _close(a: Tensor, b: Tensor, half: bool) -> bool:
-    if not half:
-        return same_values(a, b)
+def _close_in_half(a: Tensor, b: Tensor) -> bool:
     scale = float(a.detach().abs().max()) if a.numel() else 0.0
     return bool(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3 * scale + 1e-6))
 
 
-def _rows_moved(before: dict, after: dict, keep: Tensor, examples: int, half: bool) -> str | None:
-    for key, a in before.items():
-        b = after.get(key)
-        if a is None or b is None or a.shape != b.shape or len(a) != examples:
-            continue
-        if not _close(a[keep], b[keep], half):
-            return ROWS_IN_TRAINING_PRECISION
-    return None
+def _moved_rows(before: dict, after: dict, keep: Tensor, examples: int, close) -> list:
+    """The layers whose k-th recorded input moved in a ``keep`` row between ``before`` and ``after`` (matched by
+    occurrence, not position: a redraw that changes which layers run must not shift them)."""
+    return [key[0] for key, a in before.items()
+            if a is not None and (b := after.get(key)) is not None and a.shape == b.shape and len(a) == examples
+            and not close(a[keep], b[keep])]

@@ -180,9 +180,9 @@ def in_training_precision(engine: Any, report: ProbeReport, make_batch, loss_fn,
     """``independence.check_training_precision`` on the first shape's batch, where training computes in another
     precision than the probe's comparisons (a bf16 autocast or FSDP2 policy, fp32 against the fp64 probe)."""
     batch, redraw = synthetic_batches(make_batch, *shape, 0, engine.params[0].device)
-    named = dtype or half_policy(engine.model) or engine.params[0].dtype  # what the forward computes in
+    computes_in = dtype or half_policy(engine.model) or engine.params[0].dtype
     try:
-        check_training_precision(engine, report, batch, redraw, loss_fn, dtype, str(named).removeprefix("torch."))
+        check_training_precision(engine, report, batch, redraw, loss_fn, dtype, computes_in)
     except ReferenceFailed as error:
         raise UserError(REFERENCE_FAILED.format(error)) from error
     finally:
