@@ -120,6 +120,20 @@ def test_a_proof_made_outside_autocast_is_made_again_when_training_runs_under_on
         losses(model, ids)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_an_fp32_probe_at_a_training_forward_under_bf16_autocast_compares_outside_the_autocast(mode, monkeypatch):
+    # the first GPU run (H200, 1.1B Llama): a model above FP64_PARAMETERS is probed in fp32, and the probe made at
+    # its first training forward ran its comparisons inside that bf16 autocast, refusing every layer (clipped sums
+    # off by ~3e-3 against a 1e-3 tolerance); tiny models never showed it, autocast leaves their fp64 probe alone
+    monkeypatch.setattr("dptext.privacy.proof.verify.FP64_PARAMETERS", 0)
+    model = built(NEVER)
+    engine = engine_for(model, mode)
+    ids = make_batch(4, 5, torch.Generator().manual_seed(3))["input_ids"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses(model, ids)
+    assert engine.verified and engine.proven_autocast == torch.bfloat16
+
+
 def never_mixing() -> tuple:
     """(model, engine, ids): a model that never mixes, its book-keeping engine, a batch of 4."""
     model = built(NEVER)

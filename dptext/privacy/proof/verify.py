@@ -158,8 +158,11 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     device = engine.params[0].device
     if training_dtype is None and torch.is_autocast_enabled(device.type):
         training_dtype = torch.get_autocast_dtype(device.type)
-    # FSDP2: every rank together, no cut (``proof.sharded_probe``), weights gathered as stored (``fsdp_precision``)
-    with gathered_as_stored(model), sharded_view(engine, model) as view:
+    # FSDP2: every rank together, no cut (``proof.sharded_probe``), weights gathered as stored (``fsdp_precision``).
+    # The comparisons run outside the caller's autocast: inside it an fp32 probe (models above FP64_PARAMETERS)
+    # computed in bf16 and refused every layer (the first GPU run, 1.1B Llama at its first bf16 training forward);
+    # training's own precision is what ``in_training_precision`` re-draws, under ``training_dtype``'s autocast.
+    with gathered_as_stored(model), sharded_view(engine, model) as view, torch.autocast(device.type, enabled=False):
         if view is not None and half_stored(model) is not None:
             raise UserError(HALF.format(half_stored(model)))
         report = _probe(engine, make_batch, loss_fn, shapes, None if view is not None else dtype, cut_stacks)
