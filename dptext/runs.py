@@ -109,7 +109,16 @@ class RunDir:
     def lock(self) -> "RunDir":
         """Become the folder's one writer (``dptext.locking``), or refuse in one sentence; returns self."""
         lock_folder(self.path)
+        self._remove_dead_temporaries()
         return self
+
+    def _remove_dead_temporaries(self) -> None:
+        """Temporary files of an ``atomic_write`` a kill cut short (``.NAME.XXXX.tmp``; the target itself is whole,
+        old or new). Only the folder's lock holder calls this, so no live writer owns one."""
+        for folder in (self.path, self.checkpoint_dir):
+            for stale in folder.glob(".*.tmp"):
+                if stale.is_file():
+                    stale.unlink(missing_ok=True)
 
     def reusable(self) -> bool:
         """A run directory whose run never started: no checkpoint, no metrics, no result (only what
