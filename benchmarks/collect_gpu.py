@@ -2,6 +2,11 @@
 
     python benchmarks/collect_gpu.py OUTDIR                   # a GPU run -> benchmarks/results/bench_gpu.json
     python benchmarks/collect_gpu.py OUTDIR --out FILE.json   # anything, the CPU rehearsal too, elsewhere
+    python benchmarks/collect_gpu.py OUT1 OUT2 ...            # several runs (gpu_check.sh --only): merged
+
+Several OUTDIRs are merged in order, a later run's parts replacing the earlier ones': the exactness cells whole,
+each bench-memory (T, B) whole, the scale step whole, so that every table still compares numbers of one run on one
+device; ``parts`` names each part's commit and device.
 
 OUTDIR holds meta.json, exactness.json, bench.json and max_model.json (the last from the log's rows when the
 scale step was cut off before writing it). The result names the device and the commit, and keeps every exactness
@@ -110,6 +115,32 @@ def collect(out_dir: Path) -> dict:
             "scale": scale}
 
 
+def bench_key(report: dict) -> str:
+    """The gpu_check.sh step that made a bench-memory report: bench-T<seq len>-B<batch>."""
+    return f"bench-T{report['setup']['seq_len']}-B{report['setup']['batch_size']}"
+
+
+def merged(results: list[dict]) -> dict:
+    """``results`` (oldest first) as one: each part from the newest run that has it (module docstring)."""
+    result, parts = dict(results[0], bench=[]), {}
+    for run in results:
+        stamp = {"commit": run["commit"], "device": run["device"], "torch": run["torch"]}
+        if run["exactness"]["cells"]:
+            result["exactness"], parts["exactness"] = run["exactness"], stamp
+        for report in run["bench"]:
+            result["bench"] = [r for r in result["bench"] if bench_key(r) != bench_key(report)] + [report]
+            parts[bench_key(report)] = stamp
+        if run["scale"] is not None:
+            result["scale"], parts["scale"] = run["scale"], stamp
+        result["steps"] = {**result["steps"], **run["steps"]}
+    newest = results[-1]
+    result.update(commit=newest["commit"], device=newest["device"], torch=newest["torch"], cuda=newest.get("cuda"),
+                  rehearsal=any(run["rehearsal"] for run in results), tiny=any(run["tiny"] for run in results))
+    if len(results) > 1:
+        result["parts"] = parts
+    return result
+
+
 def cell(value, digits: int = 2) -> str:
     if value is None:
         return "—"
@@ -180,23 +211,29 @@ def markdown(result: dict) -> str:
             + (" — a rehearsal, not a GPU result" if result["rehearsal"] else ""))
     steps = ", ".join(f"{name} {entry['seconds']:.0f} s ({entry['status']})" for name, entry in result["steps"].items())
     weights = [f"SmolLM2 weights: {result['smollm2_weights']}.", ""] if result.get("smollm2_weights") else []
-    return "\n".join([head, "", f"Steps: {steps}.", "", *weights, *bench_lines(result),
+    parts = "; ".join(f"{name}: {stamp['device']} at {stamp['commit'][:7]}"
+                      for name, stamp in result.get("parts", {}).items())
+    return "\n".join([head, "", f"Steps: {steps}.", "", *([f"Merged runs, each part from one: {parts}.", ""]
+                                                          if parts else []), *weights, *bench_lines(result),
                       *scale_lines(result["scale"]), *exactness_lines(result["exactness"]["summary"])])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path, help="the $OUT of benchmarks/device/gpu_check.sh")
+    parser.add_argument("out_dirs", type=Path, nargs="+", help="the $OUT of benchmarks/device/gpu_check.sh "
+                        "(several: merged in order, later parts replacing earlier ones)")
     parser.add_argument("--out", type=Path, default=RESULT, help=f"where to write (default {RESULT})")
     args = parser.parse_args(argv)
-    if not (args.out_dir / "meta.json").exists():
-        print(f"{args.out_dir} holds no meta.json, so it is not a GPU check's output; pass the $OUT folder of "
-              "benchmarks/device/gpu_check.sh.", file=sys.stderr)
-        return 2
-    result = collect(args.out_dir)
+    for out_dir in args.out_dirs:
+        if not (out_dir / "meta.json").exists():
+            print(f"{out_dir} holds no meta.json, so it is not a GPU check's output; pass the $OUT folder of "
+                  "benchmarks/device/gpu_check.sh.", file=sys.stderr)
+            return 2
+    result = merged([collect(out_dir) for out_dir in args.out_dirs])
     if result["rehearsal"] and args.out.resolve() == RESULT.resolve():
         what = f"device {result['device']}" + (", tiny models" if result["tiny"] else "")
-        print(f"{args.out_dir} holds a rehearsal ({what}), not a GPU run, so it is not written to "
+        folders = " ".join(map(str, args.out_dirs))
+        print(f"{folders} holds a rehearsal ({what}), not a GPU run, so it is not written to "
               f"{RESULT.relative_to(REPO)}; pass --out elsewhere to collect it.", file=sys.stderr)
         return 2
     atomic_write_json(args.out, result)

@@ -13,7 +13,8 @@ Qwen2, BERT, RoBERTa, each with a right-padded batch of 3 (B ≠ T), a batch wit
   ``accumulate`` after it, as ``dptext finetune`` runs on a GPU;
 * ``bf16_weights``: the model cast to bf16 (no autocast).
 The PrivacyEngine (its public API: ``accumulate(losses)``, ``clipped_grads()``), built with its defaults (so with
-its start-up proof, where it has one: each cell records ``proof_ran``), runs on the device; the reference
+its start-up proof, where it has one: each cell records ``proof_ran``; bf16 cells prove in the model's own
+precision, as models above 50M parameters do, ``probed_as_real_models``), runs on the device; the reference
 is a loop of per-example autograd over batches of one on the same device, its norms, factors and clipped sums formed
 in fp64: for fp32 cells on an fp64 copy of the same parameter values (the exact math), for bf16 cells in the same
 bf16 arithmetic (see Tolerances).
@@ -111,6 +112,24 @@ def forward_context(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def probed_as_real_models(precision: str):
+    """bf16 cells: the start-up proof in the model's own precision (fp32 weights: fp32), as every model above
+    ``FP64_PARAMETERS`` (50M) gets it, instead of the fp64 copy these tiny models would get. The first GPU run
+    (H200) found the fp32 probe made at a training forward under bf16 autocast refusing every layer of a 1.1B
+    Llama, which the fp64 probe of these cells never showed (autocast leaves fp64 alone)."""
+    if precision == "fp32":
+        yield
+        return
+    from dptext.privacy.proof import verify
+
+    before, verify.FP64_PARAMETERS = verify.FP64_PARAMETERS, 0
+    try:
+        yield
+    finally:
+        verify.FP64_PARAMETERS = before
+
+
 def clipped(model, batch: dict, mode: str, precision: str, rows=slice(None), proof: bool = True):
     """The engine on ``batch[rows]``: (per-example norms, {name: clipped sum}, whether its start-up proof ran);
     raises UserError where refused. ``proof=False`` builds it without the proof (where the engine can)."""
@@ -119,7 +138,7 @@ def clipped(model, batch: dict, mode: str, precision: str, rows=slice(None), pro
     engine = PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=4,
                            dataset_size=100, clipping_mode=mode, **({} if proof else NO_PROOF))
     try:
-        with forward_context(precision, sub["input_ids"].device):
+        with forward_context(precision, sub["input_ids"].device), probed_as_real_models(precision):
             per_example = losses(model, sub)
         norms = engine.accumulate(per_example)  # outside autocast, as dptext.finetune.loop calls it
         got = engine.clipped_grads()

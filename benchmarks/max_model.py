@@ -11,13 +11,16 @@ parameters, L = 22 is 1.1B. Every (mode, L) is one child process that builds the
   timed on its own), then three DP-Adam steps on the same batch;
 * ``nonprivate-fsdp2`` / ``dp-fsdp2``: the same on 2 ranks (``torchrun``, gloo on the CPU), the model built whole
   on each rank and then ``fully_shard``-ed per decoder layer and at the root, as ``train.sharding: fsdp`` does; DP
-  runs the default proof on the whole model first (as ``dptext finetune`` does) and reduces its clipped sums a
+  proves on the sharded model, every rank together (``proof.sharded_probe``), and reduces its clipped sums a
   chunk of layers at a time. The cap applies to the ranks together (one machine); peaks are per rank (the
-  largest, each rank's in ``rank_peak_bytes``). Rank 0 proves for both (the others wait), as finetune does.
+  largest, each rank's in ``rank_peak_bytes``).
+On CUDA the steps run under bf16 autocast and the proof is told so (``verify(training_dtype=torch.bfloat16)``, as
+``dptext finetune`` does), so the proof timed is the one training relies on and no step proves again.
 On the CPU the parent samples the child's resident memory and kills it above the cap (``fits: false``); the peak
 is the kernel's high-water mark (``VmHWM``), reset between the proof and the steps so each has its own. On CUDA
 the peak is ``torch.cuda.max_memory_allocated`` (reset the same way), and the cap is the device's memory: an
-out-of-memory error is ``fits: false``. Layers are tried in increasing order per mode until one does not fit.
+out-of-memory error is ``fits: false``. Layer counts are tried in increasing order, each for every mode that
+still fits, so a run cut off by ``--time-budget`` has compared the modes at the same sizes.
 
 Reported per row: parameters, fits, the step's peak (``peak_bytes``), the proof's peak and time
 (``probe_peak_bytes``, ``probe_seconds``, ``probe_steps`` = its time in median DP steps), the median step time;
@@ -150,9 +153,11 @@ def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
 
 def prove(engine, row: dict, device: str) -> None:
     """The engine's start-up proof, timed, with its own peak memory."""
+    import torch
+
     reset_peak(device)
     start = time.perf_counter()
-    engine.verify()
+    engine.verify(training_dtype=torch.bfloat16 if device.startswith("cuda") else None)
     row["probe_seconds"] = time.perf_counter() - start
     row["probe_peak_bytes"] = peak_now(device)
 
@@ -239,16 +244,19 @@ def main(argv: list[str] | None = None) -> dict:
     default_layers = "1,2" if args.tiny else ("22,44,66,88,110" if args.device == "cuda" else "4,8,11,16,22")
     layer_counts = sorted(int(n) for n in (args.layers or default_layers).split(","))
     start, rows, largest = time.perf_counter(), [], {}
-    for mode in args.modes.split(","):
-        for layers in layer_counts:
+    fitting = args.modes.split(",")
+    for layers in layer_counts:
+        for mode in list(fitting):
             if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
                 rows.append({"mode": mode, "layers": layers, "fits": None, "why": "time budget spent"})
-                break
+                fitting.remove(mode)
+                continue
             row = trial(mode, layers, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if not row["fits"]:
-                break
+                fitting.remove(mode)
+                continue
             largest[mode] = {"layers": layers, "parameters": row["parameters"]}
     result = {"what": f"largest TinyLlama-shaped model (L layers, random weights) that trains {STEPS} steps of "
                       f"batch {BATCH} x {LENGTH} tokens: non-private Adam vs dptext DP-Adam book-keeping with its "

@@ -33,6 +33,22 @@ def test_a_trial_killed_above_the_cap_does_not_fit(tmp_path):
     assert result["largest"] == {}
 
 
+def test_each_size_is_tried_in_every_mode_still_fitting_before_the_next(monkeypatch):
+    # the first GPU run (H200): modes one after the other spent the scale step's whole time budget growing the
+    # non-private model to 4B parameters, and DP never ran; now a cut-off run compares the modes at the same sizes
+    tried = []
+
+    def trial(mode, layers, args):
+        tried.append((mode, layers))
+        return {"mode": mode, "layers": layers, "fits": not (mode == "dp" and layers > 1), "parameters": layers}
+
+    monkeypatch.setattr(max_model, "trial", trial)
+    monkeypatch.setattr(max_model, "machine", lambda device: "test")
+    result = max_model.main(["--tiny", "--layers", "1,2,3", "--modes", "nonprivate,dp"])
+    assert tried == [("nonprivate", 1), ("dp", 1), ("nonprivate", 2), ("dp", 2), ("nonprivate", 3)]
+    assert result["largest"] == {"nonprivate": {"layers": 3, "parameters": 3}, "dp": {"layers": 1, "parameters": 1}}
+
+
 @pytest.mark.slow  # two torchrun jobs of 2 gloo ranks: ~1 min
 def test_the_fsdp2_modes_train_on_two_ranks_with_the_proof_before_sharding(tmp_path):
     result = max_model.main(["--tiny", "--layers", "1", "--modes", "nonprivate-fsdp2,dp-fsdp2"])

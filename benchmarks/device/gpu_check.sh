@@ -10,16 +10,19 @@
 # temporary folder when unset), then the tables of benchmarks/collect_gpu.py.
 #   On a lent GPU (benchmarks/RESULTS.md): benchmarks/device/bundle.sh --check here, then one call carrying .gpu:
 #     bash benchmarks/device/gpu_check.sh --device cuda    (installs from .gpu first, as go.sh does: install.sh)
+#   Only some steps (a later GPU session completing an earlier run; collect_gpu.py merges the two $OUTs):
+#     bash benchmarks/device/gpu_check.sh --device cuda --only scale,bench-T1024-B8   (bench = every bench step)
 #   The CPU rehearsal (tests/test_gpu_check.py): bash benchmarks/device/gpu_check.sh --device cpu --tiny
 #     (the current environment, no install; PYTHON names its interpreter; tiny-llama at T = 16, B = 2).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-DEVICE=cuda TINY=false
+DEVICE=cuda TINY=false ONLY=
 while [ $# -gt 0 ]; do
   case $1 in
     --device) DEVICE=${2:-}; shift 2 || shift ;;
     --tiny) TINY=true; shift ;;
-    *) echo "usage: gpu_check.sh [--device cuda|cpu] [--tiny]" >&2; exit 2 ;;
+    --only) ONLY=${2:-}; shift 2 || shift ;;
+    *) echo "usage: gpu_check.sh [--device cuda|cpu] [--tiny] [--only STEP,...]" >&2; exit 2 ;;
   esac
 done
 case $DEVICE in cuda|cpu) ;; *) echo "gpu_check.sh: --device is cuda or cpu, not '$DEVICE'." >&2; exit 2 ;; esac
@@ -37,10 +40,18 @@ echo "gpu_check: device $DEVICE, tiny $TINY, ${BUDGET} s in all, results in $OUT
 share() { echo $((BUDGET * $1 / 480)); }
 # limit CAP KEEP: a step's seconds, at most CAP and never into the KEEP seconds kept for the steps after it
 limit() { local left=$((BUDGET - SECONDS - $2)); echo $(($1 < left ? $1 : left)); }
+# wanted NAME: whether --only (exactness, bench, bench-T..-B.., scale; none: all) asks for the step
+wanted() {
+  [ -z "$ONLY" ] && return 0
+  case ",$ONLY," in *",$1,"*) return 0 ;; esac
+  [[ $1 == bench-* && ",$ONLY," == *,bench,* ]] && return 0
+  return 1
+}
 # step NAME SECONDS COMMAND...: run it under `timeout` (its whole process group), then record it in meta.json
 step() {
   local name=$1 cap=$2 started=$SECONDS rc
   shift 2
+  wanted "$name" || return 0
   if [ "$cap" -lt 10 ]; then
     $RECORD step "$OUT" "$name" 124 0 "$cap" --note "skipped: no time left"; FAILED=1; return
   fi
