@@ -112,7 +112,7 @@ def collect(out_dir: Path) -> dict:
             "exactness": {"summary": exactness_summary(exactness), "setup": (exactness or {}).get("setup"),
                           "cells": (exactness or {}).get("cells", [])},
             "bench": [with_opacus_ratios(report) for report in bench["runs"]],
-            "scale": scale}
+            "scale": scale, "profile": read(out_dir / "profile.json")}
 
 
 def bench_key(report: dict) -> str:
@@ -132,6 +132,8 @@ def merged(results: list[dict]) -> dict:
             parts[bench_key(report)] = stamp
         if run["scale"] is not None:
             result["scale"], parts["scale"] = run["scale"], stamp
+        if run.get("profile") is not None:
+            result["profile"], parts["profile"] = run["profile"], stamp
         result["steps"] = {**result["steps"], **run["steps"]}
     newest = results[-1]
     result.update(commit=newest["commit"], device=newest["device"], torch=newest["torch"], cuda=newest.get("cuda"),
@@ -189,6 +191,18 @@ def scale_lines(scale: dict | None) -> list[str]:
             *(["", f"Not fitting: {note}."] if note else []), ""]
 
 
+def profile_lines(profile: dict | None) -> list[str]:
+    if profile is None:
+        return []
+    base = profile["rows"][0]["wall_s"]
+    rows = [[row["mode"], cell(row["wall_s"], 4), row["wall_s"] / base, cell(row.get("device_s"), 4),
+             cell(row.get("device_share")), cell(row.get("kernels_per_step"), 0), cell(row.get("syncs_per_step"), 0),
+             (row.get("top_device") or row["top_cpu"])[0]["op"][:60]] for row in profile["rows"]]
+    return [f"**Where the step's time goes** ({profile['machine']}, {profile['model']}, T = {profile['seq_len']}, "
+            f"B = {profile['batch_size']}, {profile['precision']}; torch.profiler over {profile['steps']} steps)", "",
+            *table(["mode", "wall s", "× first", "device s", "device busy", "kernels", "syncs", "top op"], rows), ""]
+
+
 def error(value: float | None, tolerance: float) -> str:
     return f"{'—' if value is None else f'{value:.1e}'} (≤ {tolerance:g})"
 
@@ -213,9 +227,10 @@ def markdown(result: dict) -> str:
     weights = [f"SmolLM2 weights: {result['smollm2_weights']}.", ""] if result.get("smollm2_weights") else []
     parts = "; ".join(f"{name}: {stamp['device']} at {stamp['commit'][:7]}"
                       for name, stamp in result.get("parts", {}).items())
-    return "\n".join([head, "", f"Steps: {steps}.", "", *([f"Merged runs, each part from one: {parts}.", ""]
-                                                          if parts else []), *weights, *bench_lines(result),
-                      *scale_lines(result["scale"]), *exactness_lines(result["exactness"]["summary"])])
+    merged_note = [f"Merged runs, each part from one: {parts}.", ""] if parts else []
+    return "\n".join([head, "", f"Steps: {steps}.", "", *merged_note, *weights, *bench_lines(result),
+                      *scale_lines(result["scale"]), *profile_lines(result.get("profile")),
+                      *exactness_lines(result["exactness"]["summary"])])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@
 #     bash benchmarks/device/gpu_check.sh --device cuda    (installs from .gpu first, as go.sh does: install.sh)
 #   Only some steps (a later GPU session completing an earlier run; collect_gpu.py merges the two $OUTs):
 #     bash benchmarks/device/gpu_check.sh --device cuda --only scale,bench-T1024-B8   (bench = every bench step)
+#   and where a step's time goes, only when asked: --only profile (benchmarks/device/profile_step.py)
 #   The CPU rehearsal (tests/test_gpu_check.py): bash benchmarks/device/gpu_check.sh --device cpu --tiny
 #     (the current environment, no install; PYTHON names its interpreter; tiny-llama at T = 16, B = 2).
 set -uo pipefail
@@ -95,12 +96,21 @@ done
 
 # 3. scale: whatever time is left (max_model.py starts no trial in its last 45 s)
 if [ -f benchmarks/max_model.py ]; then
-  cap=$(limit 600 10)
+  keep=10  # seconds kept after the scale step: for the profile when it is asked for
+  [ -n "$ONLY" ] && wanted profile && keep=$(share 70)
+  cap=$(limit 600 $keep)
   scale_flags="--time-budget $((cap > 90 ? cap - 45 : cap / 2))"
   $TINY && scale_flags="$scale_flags --tiny --layers 1"
   step scale "$cap" $PYTHON benchmarks/max_model.py --device "$DEVICE" --out "$OUT/max_model.json" $scale_flags
 else
   $RECORD step "$OUT" scale 0 0 0 --note "skipped: benchmarks/max_model.py is not in this tree"
+fi
+
+# 4. where the step's time goes (benchmarks/device/profile_step.py): only when asked, --only profile
+if [ -n "$ONLY" ] && wanted profile; then
+  profile_flags=$($TINY && echo "--model tiny-llama --seq-len 16 --batch-size 2 --steps 1")
+  step profile "$(limit "$(share 70)" 0)" $PYTHON benchmarks/device/profile_step.py --device "$DEVICE" $profile_flags \
+    --out "$OUT/profile.json"
 fi
 
 echo "== the tables (benchmarks/collect_gpu.py; collect with it into benchmarks/results/bench_gpu.json)"
