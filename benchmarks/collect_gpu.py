@@ -112,7 +112,23 @@ def collect(out_dir: Path) -> dict:
             "exactness": {"summary": exactness_summary(exactness), "setup": (exactness or {}).get("setup"),
                           "cells": (exactness or {}).get("cells", [])},
             "bench": [with_opacus_ratios(report) for report in bench["runs"]],
-            "scale": scale, "profile": read(out_dir / "profile.json")}
+            "scale": scale, "profile": read(out_dir / "profile.json"), "finetune": finetune(out_dir / "finetune")}
+
+
+def finetune(folder: Path) -> dict | None:
+    """The opt-in finetune step's run (gpu_check.sh --only finetune): what it trained, its ε, its metrics, the
+    micro-batch the memory probe picked and its step times."""
+    result = read(folder / "result.json")
+    if result is None:
+        return None
+    privacy = result["privacy"]
+    metrics = folder / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    return {"model": result["model"], "task": result["task"], "metrics": result["metrics"],
+            "steps": result["steps_run"], "physical_batch_size": result["physical_batch_size"],
+            "expected_batch_size": privacy.get("expected_batch_size"), "dataset_size": result["dataset_size"],
+            "epsilon": privacy["epsilon"][privacy["accountant"]]["epsilon"], "delta": privacy["delta"],
+            "clipping_mode": privacy.get("clipping_mode"), "training_records": len(steps)}
 
 
 def bench_key(report: dict) -> str:
@@ -132,8 +148,9 @@ def merged(results: list[dict]) -> dict:
             parts[bench_key(report)] = stamp
         if run["scale"] is not None:
             result["scale"], parts["scale"] = run["scale"], stamp
-        if run.get("profile") is not None:
-            result["profile"], parts["profile"] = run["profile"], stamp
+        for part in ("profile", "finetune"):
+            if run.get(part) is not None:
+                result[part], parts[part] = run[part], stamp
         result["steps"] = {**result["steps"], **run["steps"]}
     newest = results[-1]
     result.update(commit=newest["commit"], device=newest["device"], torch=newest["torch"], cuda=newest.get("cuda"),
@@ -203,6 +220,16 @@ def profile_lines(profile: dict | None) -> list[str]:
             *table(["mode", "wall s", "× first", "device s", "device busy", "kernels", "syncs", "top op"], rows), ""]
 
 
+def finetune_lines(run: dict | None) -> list[str]:
+    if run is None:
+        return []
+    metrics = ", ".join(f"{name} {value:.4g}" for name, value in run["metrics"].items())
+    return [f"**dptext finetune end to end**: {run['model']} ({run['task']}), {run['steps']} DP steps of expected "
+            f"batch {run['expected_batch_size']:g} from {run['dataset_size']} records, {run['clipping_mode']}, "
+            f"micro-batch {run['physical_batch_size']} (left to dptext), ε = {run['epsilon']:.2f} at "
+            f"δ = {run['delta']:.2g}; {metrics} (random weights: the run is checked, not its score).", ""]
+
+
 def error(value: float | None, tolerance: float) -> str:
     return f"{'—' if value is None else f'{value:.1e}'} (≤ {tolerance:g})"
 
@@ -230,6 +257,7 @@ def markdown(result: dict) -> str:
     merged_note = [f"Merged runs, each part from one: {parts}.", ""] if parts else []
     return "\n".join([head, "", f"Steps: {steps}.", "", *merged_note, *weights, *bench_lines(result),
                       *scale_lines(result["scale"]), *profile_lines(result.get("profile")),
+                      *finetune_lines(result.get("finetune")),
                       *exactness_lines(result["exactness"]["summary"])])
 
 

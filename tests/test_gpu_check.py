@@ -140,6 +140,21 @@ def test_a_later_partial_run_replaces_only_the_parts_it_ran(tmp_path, capsys):
     assert "Merged runs, each part from one: exactness: NVIDIA H100 80GB HBM3 at abc1234" in capsys.readouterr().out
 
 
+def test_the_opt_in_finetune_run_is_collected_with_its_epsilon_and_micro_batch(tmp_path, capsys):
+    out = fake_out(tmp_path / "out", device="cuda")
+    (out / "finetune").mkdir()
+    (out / "finetune" / "result.json").write_text(json.dumps({
+        "model": "smollm2-135m", "task": "table_to_text", "metrics": {"bleu": 0.5}, "steps_run": 4,
+        "physical_batch_size": 64, "dataset_size": 512, "privacy": {
+            "accountant": "rdp", "epsilon": {"rdp": {"epsilon": 7.99}}, "delta": 1 / 1024,
+            "expected_batch_size": 128.0, "clipping_mode": "bookkeeping"}}))
+    (out / "finetune" / "metrics.jsonl").write_text("\n".join(json.dumps({"step": i}) for i in (1, 2, 3, 4)))
+    assert collect_gpu.main([str(out), "--out", str(tmp_path / "bench_gpu.json")]) == 0
+    run = json.loads((tmp_path / "bench_gpu.json").read_text())["finetune"]
+    assert (run["epsilon"], run["physical_batch_size"], run["steps"], run["training_records"]) == (7.99, 64, 4, 4)
+    assert "micro-batch 64 (left to dptext), ε = 7.99" in capsys.readouterr().out
+
+
 def test_a_rehearsal_is_not_filed_as_gpu_results(tmp_path, capsys):
     out = fake_out(tmp_path / "out", device="cpu")
     before = collect_gpu.RESULT.read_bytes() if collect_gpu.RESULT.exists() else None

@@ -12,7 +12,8 @@
 #     bash benchmarks/device/gpu_check.sh --device cuda    (installs from .gpu first, as go.sh does: install.sh)
 #   Only some steps (a later GPU session completing an earlier run; collect_gpu.py merges the two $OUTs):
 #     bash benchmarks/device/gpu_check.sh --device cuda --only scale,bench-T1024-B8   (bench = every bench step)
-#   and where a step's time goes, only when asked: --only profile (benchmarks/device/profile_step.py)
+#   and, only when asked: --only profile (where a step's time goes: benchmarks/device/profile_step.py),
+#   --only finetune (dptext finetune end to end on a 512-record E2E slice, the micro-batch picked by the probe)
 #   The CPU rehearsal (tests/test_gpu_check.py): bash benchmarks/device/gpu_check.sh --device cpu --tiny
 #     (the current environment, no install; PYTHON names its interpreter; tiny-llama at T = 16, B = 2).
 set -uo pipefail
@@ -96,8 +97,9 @@ done
 
 # 3. scale: whatever time is left (max_model.py starts no trial in its last 45 s)
 if [ -f benchmarks/max_model.py ]; then
-  keep=10  # seconds kept after the scale step: for the profile when it is asked for
-  [ -n "$ONLY" ] && wanted profile && keep=$(share 70)
+  keep=10  # seconds kept after the scale step: for the profile and the finetune run when they are asked for
+  [ -n "$ONLY" ] && wanted profile && keep=$((keep + $(share 70)))
+  [ -n "$ONLY" ] && wanted finetune && keep=$((keep + $(share 150)))
   cap=$(limit 600 $keep)
   scale_flags="--time-budget $((cap > 90 ? cap - 45 : cap / 2))"
   $TINY && scale_flags="$scale_flags --tiny --layers 1"
@@ -109,8 +111,23 @@ fi
 # 4. where the step's time goes (benchmarks/device/profile_step.py): only when asked, --only profile
 if [ -n "$ONLY" ] && wanted profile; then
   profile_flags=$($TINY && echo "--model tiny-llama --seq-len 16 --batch-size 2 --steps 1")
-  step profile "$(limit "$(share 70)" 0)" $PYTHON benchmarks/device/profile_step.py --device "$DEVICE" $profile_flags \
-    --out "$OUT/profile.json"
+  after=0  # seconds kept for the finetune step when it is asked for too
+  wanted finetune && after=$(share 150)
+  step profile "$(limit "$(share 70)" $after)" $PYTHON benchmarks/device/profile_step.py --device "$DEVICE" \
+    $profile_flags --out "$OUT/profile.json"
+fi
+
+# 5. dptext finetune end to end, only when asked (--only finetune): E2E with DP-Adam as recipes/e2e-cpu-dp.yaml, on
+#    512 records for one epoch (4 steps), the micro-batch left to the memory probe, greedy evaluation of 8; the
+#    run's result.json and metrics.jsonl go to $OUT/finetune
+if [ -n "$ONLY" ] && wanted finetune; then
+  e2e=$([ -d .gpu/e2e_small ] && echo .gpu/e2e_small || echo ../shared/data/e2e_nlg)
+  model=$($TINY && echo tiny-llama || echo smollm2-135m)
+  step finetune "$(limit "$(share 150)" 0)" $PYTHON -m dptext finetune recipes/e2e-cpu-dp.yaml data.path="$e2e" \
+    model.name="$model" data.max_train_examples=512 data.max_eval_examples=8 train.epochs=1 \
+    train.physical_batch_size= train.device="$DEVICE" eval.beam_size=1 eval.max_new_tokens=16 --out "$WORK/finetune"
+  mkdir -p "$OUT/finetune"
+  cp "$WORK"/finetune/{result.json,metrics.jsonl,provenance.json} "$OUT/finetune/" 2>/dev/null
 fi
 
 echo "== the tables (benchmarks/collect_gpu.py; collect with it into benchmarks/results/bench_gpu.json)"
