@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -50,6 +51,7 @@ FINAL_EVALUATION = "final_evaluation.jsonl"  # the final evaluation's finished b
 MODEL_DIR = "model"  # the trained model (or LoRA adapters) a finished run exports
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
+STAGING = re.compile(r"\.[^.].*-[a-z0-9_]{8}")  # atomic_directory's tempfile.mkdtemp(prefix=".NAME-") folders
 
 
 class RunDir:
@@ -113,12 +115,17 @@ class RunDir:
         return self
 
     def _remove_dead_temporaries(self) -> None:
-        """Temporary files of an ``atomic_write`` a kill cut short (``.NAME.XXXX.tmp``; the target itself is whole,
-        old or new). Only the folder's lock holder calls this, so no live writer owns one."""
+        """What a kill left of an atomic write (the target itself is whole, old or new): ``atomic_write``'s temporary
+        files (``.NAME.XXXXXXXX.tmp``) here and in checkpoints/, and ``atomic_directory``'s staging folders in the
+        run folder (``.model-XXXXXXXX``: a whole model copy each). Only the folder's lock holder calls this, so no
+        live writer owns one; FSDP2's checkpoint staging is ``sharded_checkpoint``'s to clean."""
         for folder in (self.path, self.checkpoint_dir):
             for stale in folder.glob(".*.tmp"):
                 if stale.is_file():
                     stale.unlink(missing_ok=True)
+        for stale in self.path.glob(".*-*"):
+            if stale.is_dir() and STAGING.fullmatch(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def reusable(self) -> bool:
         """A run directory whose run never started: no checkpoint, no metrics, no result (only what

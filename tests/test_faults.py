@@ -71,20 +71,23 @@ def test_a_resume_of_a_run_another_process_writes_is_refused(tmp_path, capsys, h
         runs.RunDir.open(run.path).lock()
 
 
-def test_the_lock_holder_removes_temporary_files_a_killed_writer_left(tmp_path):
+def test_the_lock_holder_removes_the_temporary_files_and_staging_folders_a_killed_writer_left(tmp_path):
     """A SIGKILL inside ``atomic_write`` leaves ``.NAME.XXXX.tmp`` (CI, session 27: a checkpoint's, after the
-    resume finished); the next holder of the lock removes them, and nothing else (FSDP2's staging folders are
-    sharded_checkpoint's to clean)."""
+    resume finished), inside ``atomic_directory`` a staging folder; the next holder of the lock removes them, and
+    nothing else (FSDP2's staging folders are sharded_checkpoint's to clean)."""
     run = make_run(tmp_path)
     checkpoints = run.checkpoint_dir
     checkpoints.mkdir(exist_ok=True)
     dead = [checkpoints / ".step-00000003.pt.tzcho6g0.tmp", run.path / ".ledger.json.k2j3.tmp"]
-    kept = [checkpoints / ".step-00000004.dcp.tmp", checkpoints / "step-00000002.pt"]
-    for path in dead + kept[1:]:
+    kept = [checkpoints / ".step-00000004.dcp.tmp", run.path / ".cache", checkpoints / "step-00000002.pt"]
+    for path in dead + kept[2:]:
         path.write_bytes(b"partial")
-    kept[0].mkdir()
+    staging = run.path / ".model-k2_9xq0a"  # atomic_directory's staging of a model save cut short: a whole copy
+    for folder in (staging, *kept[:2]):
+        folder.mkdir()
+    (staging / "model.safetensors").write_bytes(b"weights")
     runs.RunDir.open(run.path).lock()
-    assert [path.exists() for path in dead + kept] == [False, False, True, True]
+    assert [path.exists() for path in dead + [staging] + kept] == [False, False, False, True, True, True]
     locking.release_all()
 
 
