@@ -5,10 +5,15 @@ against a DP step's, on 2 gloo processes.
 
 The model is bench_fsdp.py's (a random Llama built in code, sharded per decoder layer and at the root); the engine
 is DP-Adam book-keeping with its default proof (``engine.verify()``, every rank together). FSDP2's all-gathers are
-counted by wrapping ``FSDPParamGroup.unshard`` (a unit's parameters, in whole-model units); each probe phase is
-timed by wrapping the function that runs it. Then three DP steps on ``--batch`` × ``--length`` random tokens per
-rank. On gloo a pass's cost is mostly its all-gathers, so the ratio of gathers is what the probe's time in DP steps
-follows at small batches.
+counted by wrapping ``FSDPParamGroup.unshard`` (a unit's parameters, in whole-model units), only where the call
+gathers: FSDP2 calls it again on a unit already gathered (the root, kept from its forward to its backward; a unit
+prefetched by the one after it in the backward), which costs nothing. The engine's construction gathers every unit
+once (its plan matches layers to rules on the whole weights); that is counted apart, not as the probe's. Each probe
+phase is timed by wrapping the function that runs it. Then three DP steps on ``--batch`` × ``--length`` random
+tokens per rank. Also the most parameters held gathered at once (in whole models) and the resident peak above the
+process before the model, in the probe and in the steps. A pass's cost is its all-gathers and its compute; the
+probe's batches are tiny, so at small training batches its time in DP steps follows the ratio of whole-model
+passes.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ PHASES = (("sharded_probe", "gathered_parameters"), ("probe_checks", "engine_for
           ("verify", "check_training_precision"))
 
 
-def instrument(seconds: collections.Counter, gathers: collections.Counter, phase: list) -> None:
-    """Wrap each phase's function (its seconds) and FSDP2's unshard (its parameters, under the current phase)."""
+def instrument(seconds: collections.Counter, gathers: collections.Counter, phase: list, held: dict) -> None:
+    """Wrap each phase's function (its seconds) and FSDP2's unshard (its parameters, under the current phase) and
+    reshard: ``held["now"]`` is the parameters gathered at the moment, ``held[phase]`` the most at once in it."""
     import importlib
 
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -56,52 +62,78 @@ def instrument(seconds: collections.Counter, gathers: collections.Counter, phase
         setattr(module, name, functools.wraps(real)(timed))
     unshard = FSDPParamGroup.unshard
 
+    reshard = FSDPParamGroup.reshard
+
+    def size(group) -> int:
+        return sum(param.sharded_param.numel() for param in group.fsdp_params)  # global sizes
+
     def counted(self, *args, **kwargs):
-        gathers[phase[0]] += sum(param.sharded_param.numel() for param in self.fsdp_params)  # global sizes
+        if self._all_gather_result is None and not self.is_unsharded:  # else a no-op (FSDP2's own early returns)
+            gathers[phase[0]] += size(self)
+            held["now"] += size(self)
+            key = phase[0] if phase[0] in ("DP step", "engine construction") else "probe"
+            held[key] = max(held.get(key, 0), held["now"])
         return unshard(self, *args, **kwargs)
 
-    FSDPParamGroup.unshard = counted
+    def given_back(self, *args, **kwargs):
+        was = self.is_unsharded or self._all_gather_result is not None
+        result = reshard(self, *args, **kwargs)
+        if was and not (self.is_unsharded or self._all_gather_result is not None):
+            held["now"] -= size(self)
+        return result
+
+    FSDPParamGroup.unshard, FSDPParamGroup.reshard = counted, given_back
 
 
 def worker(model_name: str, batch: int, length: int, out: Path) -> None:
     import torch
-    from bench_fsdp import build_model
+    from bench_fsdp import PeakRss, build_model, rss_bytes
 
     from dptext.finetune.distributed import current, release
     from dptext.finetune.sharding import shard_model
     from dptext.privacy import PrivacyEngine
 
-    seconds, gathers, phase = collections.Counter(), collections.Counter(), ["probe, other"]
-    instrument(seconds, gathers, phase)
+    seconds, gathers, phase, held = collections.Counter(), collections.Counter(), ["engine construction"], {"now": 0}
+    instrument(seconds, gathers, phase, held)
     ctx = current("cpu")
+    baseline = rss_bytes()  # torch, transformers and the process group, before any model exists
     ctx.sharded = True
     model = shard_model(build_model(model_name))
     whole = sum(param.numel() for param in model.parameters())
     engine = PrivacyEngine(model, torch.optim.Adam(model.parameters(), lr=1e-4), noise_multiplier=1.0,
                            max_grad_norm=1.0, expected_batch_size=batch * 2, dataset_size=10_000, distributed=ctx,
                            verify=False)
-    start = time.perf_counter()
-    engine.verify()
-    probe_seconds = time.perf_counter() - start
+    with PeakRss() as probe_rss:
+        phase[0], start = "probe, other", time.perf_counter()
+        engine.verify()
+        probe_seconds = time.perf_counter() - start
     ids = torch.randint(0, 1000, (batch, length), generator=torch.Generator().manual_seed(ctx.rank))
     steps = []
-    for _ in range(3):
-        phase[0], start = "DP step", time.perf_counter()
-        logits = model(input_ids=ids).logits
-        losses = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                   ids[:, 1:].reshape(-1), reduction="none").view(batch, -1).sum(1)
-        engine.accumulate(losses)
-        engine.step()
-        steps.append(time.perf_counter() - start)
+    with PeakRss() as step_rss:
+        for _ in range(3):
+            phase[0], start = "DP step", time.perf_counter()
+            logits = model(input_ids=ids).logits
+            flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+            losses = torch.nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1), reduction="none")
+            engine.accumulate(losses.view(batch, -1).sum(1))
+            engine.step()
+            steps.append(time.perf_counter() - start)
     if ctx.rank == 0:
         step = sorted(steps)[1]
-        probe_gathers = sum(count for name, count in gathers.items() if name != "DP step") / whole
+        probe_gathers = sum(count for name, count in gathers.items()
+                            if name not in ("DP step", "engine construction")) / whole
         result = {"model": model_name, "parameters": whole, "batch_per_rank": batch, "length": length,
                   "probe_seconds": probe_seconds, "step_seconds": steps, "probe_in_dp_steps": probe_seconds / step,
                   "probe_whole_model_gathers": probe_gathers,
                   "dp_step_whole_model_gathers": gathers["DP step"] / whole / 3,
+                  "engine_construction_whole_model_gathers": gathers["engine construction"] / whole,
+                  "most_gathered_at_once_in_whole_models": {"probe": held.get("probe", 0) / whole,
+                                                            "DP step": held.get("DP step", 0) / whole},
+                  "peak_rss_mib_above_start": {"probe": (probe_rss.peak - baseline) / 2**20,
+                                               "DP steps": (step_rss.peak - baseline) / 2**20},
                   "phases": {name: {"seconds": seconds[name], "whole_model_gathers": gathers[name] / whole}
-                             for name in dict.fromkeys([*seconds, *gathers]) if name != "DP step"}}
+                             for name in dict.fromkeys([*seconds, *gathers])
+                             if name not in ("DP step", "engine construction")}}
         out.write_text(json.dumps(result, indent=1) + "\n")
     release()
 
