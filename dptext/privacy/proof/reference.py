@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from dptext.privacy.clipping import sums as clipping
-from dptext.privacy.proof.sharded_probe import view_of
+from dptext.privacy.proof.sharded_probe import kept_through_backward, view_of
 
 
 @contextmanager
@@ -68,7 +68,7 @@ class Reference:
         squares: list[dict[nn.Parameter, Tensor]] = []
         self.params = params
         self.sums: list[Tensor] = []  # formed from the first compared example's gradient: no zero-filled copy
-        with requiring_grad(list(dict.fromkeys(params + targets + shards))):
+        with requiring_grad(list(dict.fromkeys(params + targets + shards))), kept_through_backward(engine):
             with engine.recorder.paused(), same_randomness(device):
                 loss = loss_fn(engine.model, batch)
             self.loss = loss.detach()

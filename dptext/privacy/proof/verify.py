@@ -42,7 +42,8 @@ from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
-from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, check_same_batch, sharded_view, view_of
+from dptext.privacy.proof.sharded_probe import (DISAGREE, HALF, agreed, check_same_batch, cut_block_kept,
+                                                sharded_view, view_of)
 from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_batches, synthetic_token_batch
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
@@ -235,7 +236,7 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
             vocabulary = rows if rows and all(ids_below(batch, rows.rows) for batch, _ in later) else None
             later = later if vocabulary is rows else draw(1)  # a batch with ids beyond the cut: whole vocabulary
             try:  # B = T on the blocks that differ (``proof.stack``) and the first rows of the vocabulary
-                with applied(cut), vocabulary_applied(vocabulary):  # (``proof.vocabulary``)
+                with applied(cut), vocabulary_applied(vocabulary), cut_block_kept(engine):  # (``proof.vocabulary``)
                     probe_batches(later)
             except UserError:
                 raise

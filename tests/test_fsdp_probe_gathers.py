@@ -1,0 +1,164 @@
+"""What the sharded start-up probe all-gathers (issue 42: its cost under FSDP2 is its all-gathers): 2 gloo processes.
+
+The root unit stays gathered through the reference's backward passes and into the re-draws after them, and on the
+stack cut to one block that block stays gathered from pass to pass, while the engine's own backward still reshards
+every unit (book-keeping finds the shards there). Checked by counting FSDP2's real all-gathers per probe phase and
+unit, and against the probe with nothing kept gathered: the same report and the same step after it, in
+book-keeping, ghost and per_sample; every unit resharded and FSDP2's settings after the probe those of the probe without.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fsdp_models import N, shard, tiny_lm, token_ids
+from test_fsdp_probe import engine_for, make_batch, probe_loss
+from test_fsdp_redteam import moves
+from two_ranks import run_two_ranks
+
+TIMEOUT = 240
+MODES = ("bookkeeping", "ghost", "per_sample")
+
+
+@contextlib.contextmanager
+def counted_gathers():
+    """{(shape, phase, unit): real all-gathers} while inside: FSDP2's unshard where it gathers (not its no-op
+    calls on a unit already gathered), under the probe phase and shape (``probe_one``'s call number) running."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from dptext.privacy.proof import probe_checks, verify
+
+    counts, where = collections.Counter(), {"shape": -1, "phase": "other"}
+    real_unshard = FSDPParamGroup.unshard
+
+    def unshard(self, *args, **kwargs):
+        if self._all_gather_result is None and not self.is_unsharded:
+            counts[(where["shape"], where["phase"], self._module_fqn or "root")] += 1
+        return real_unshard(self, *args, **kwargs)
+
+    def phase(module, name, shape=False):
+        real = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            outer = dict(where)
+            if shape:
+                where["shape"] += 1
+            else:
+                where["phase"] = name
+            try:
+                return real(*args, **kwargs)
+            finally:
+                where["phase"] = outer["phase"]
+        return real, wrapped
+
+    patches = [(verify, "probe_one", True), (verify, "check_whole_forward", False),
+               (probe_checks, "reference_gradients", False), (probe_checks, "check_redrawn_examples", False)]
+    originals = []
+    FSDPParamGroup.unshard = unshard
+    for module, name, shape in patches:
+        real, wrapped = phase(module, name, shape)
+        originals.append((module, name, real))
+        setattr(module, name, wrapped)
+    try:
+        yield counts
+    finally:
+        FSDPParamGroup.unshard = real_unshard
+        for module, name, real in originals:
+            setattr(module, name, real)
+
+
+@contextlib.contextmanager
+def nothing_kept():
+    """The probe as before this change: FSDP2 reshards every unit after each pass."""
+    from dptext.privacy.proof import reference, verify
+
+    saved = reference.kept_through_backward, verify.cut_block_kept
+    reference.kept_through_backward = verify.cut_block_kept = lambda engine: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        reference.kept_through_backward, verify.cut_block_kept = saved
+
+
+def settings(model) -> list:
+    from dptext.privacy.sharding.fsdp_controls import param_groups
+
+    return [(group.reshard_after_backward, group.post_forward_mesh_info) for _, group in param_groups(model)]
+
+
+def probed(mode: str, ctx, keep: bool) -> dict:
+    model = shard(tiny_lm(), ctx)
+    engine = engine_for(model, mode, ctx)
+    with (contextlib.nullcontext() if keep else nothing_kept()), counted_gathers() as counts:
+        table = engine.verify(make_batch, probe_loss).table()
+    resharded = all(hasattr(param, "to_local") for param in model.parameters())
+    after = [(flag, info is None) for flag, info in settings(model)]  # (FSDP2's first pass sets the root's info)
+    step = moves(model, engine, token_ids()[ctx.shard(N)])
+    engine.detach()
+    return {"table": table, "gathers": dict(counts), "resharded": resharded, "settings": after,
+            "step": step}
+
+
+def worker(out: Path) -> None:
+    from dptext.finetune.distributed import current, release
+
+    ctx = current("cpu")
+    ctx.sharded = True
+    results = {(mode, keep): probed(mode, ctx, keep) for mode in MODES for keep in (True, False)}
+    torch.save(results, out / f"rank{ctx.rank}.pt")
+    release()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_two_ranks(__file__, tmp_path_factory.mktemp("ranks"), TIMEOUT)
+
+
+def gathers(result: dict, shape: int, phase: str, unit: str) -> int:
+    return result["gathers"].get((shape, phase, unit), 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_root_is_gathered_once_per_reference_and_not_for_the_redraws(two_ranks, mode):
+    for rank in two_ranks:
+        got = rank[(mode, True)]
+        for shape in (0, 1):
+            assert gathers(got, shape, "reference_gradients", "root") == 1, got["gathers"]
+            assert gathers(got, shape, "check_redrawn_examples", "root") == 0, got["gathers"]
+        before = rank[(mode, False)]  # the control: FSDP2 gathered it again for the second backward and the re-draws
+        assert gathers(before, 0, "reference_gradients", "root") == 2, before["gathers"]
+        assert gathers(before, 0, "check_redrawn_examples", "root") == 1, before["gathers"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_cut_stacks_one_block_stays_gathered_and_the_cut_block_is_not_gathered(two_ranks, mode):
+    for rank in two_ranks:
+        got, before = rank[(mode, True)], rank[(mode, False)]
+        assert gathers(got, 1, "reference_gradients", "blocks.0") == 1, got["gathers"]
+        assert gathers(got, 1, "check_redrawn_examples", "blocks.0") == 0, got["gathers"]
+        assert gathers(before, 1, "check_redrawn_examples", "blocks.0") > 0, before["gathers"]
+        cut_away = [key for key in got["gathers"] if key[0] == 1 and key[2] == "blocks.1"]
+        assert cut_away == [(1, "check_whole_forward", "blocks.1")], got["gathers"]  # the whole forward still runs
+        assert gathers(got, 1, "check_whole_forward", "blocks.1") == 1  # every block
+        assert sum(got["gathers"].values()) < sum(before["gathers"].values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keeping_units_gathered_changes_neither_the_proof_nor_the_step_after_it(two_ranks, mode):
+    for rank in two_ranks:
+        got, before = rank[(mode, True)], rank[(mode, False)]
+        assert got["table"] == before["table"]
+        assert {row["status"] for row in got["table"]} == {"exact"}
+        assert got["resharded"] and got["settings"] == before["settings"], (got["settings"], before["settings"])
+        assert all(flag for flag, _ in got["settings"])
+        for name, move in before["step"].items():
+            torch.testing.assert_close(got["step"][name], move, rtol=0, atol=0)
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
