@@ -1,6 +1,7 @@
 """What the sharded start-up probe all-gathers (issue 42: its cost under FSDP2 is its all-gathers): 2 gloo processes.
 
-The root unit stays gathered through the reference's backward passes and into the re-draws after them, and on the
+The gathered parameters the probe follows are read from FSDP2's records without an all-gather (the same objects a
+unit unsharded shows, and that the layers hold during a pass). The root unit stays gathered through the reference's backward passes and into the re-draws after them, and on the
 stack cut to one block that block stays gathered from pass to pass, while the engine's own backward still reshards
 every unit (book-keeping finds the shards there). Checked by counting FSDP2's real all-gathers per probe phase and
 unit, and against the probe with nothing kept gathered: the same report and the same step after it, in
@@ -31,7 +32,7 @@ def counted_gathers():
     calls on a unit already gathered), under the probe phase and shape (``probe_one``'s call number) running."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from dptext.privacy.proof import probe_checks, verify
+    from dptext.privacy.proof import probe_checks, sharded_probe, verify
 
     counts, where = collections.Counter(), {"shape": -1, "phase": "other"}
     real_unshard = FSDPParamGroup.unshard
@@ -56,7 +57,7 @@ def counted_gathers():
                 where["phase"] = outer["phase"]
         return real, wrapped
 
-    patches = [(verify, "probe_one", True), (verify, "check_whole_forward", False),
+    patches = [(verify, "probe_one", True), (sharded_probe, "gathered_parameters", False), (verify, "check_whole_forward", False),
                (probe_checks, "reference_gradients", False), (probe_checks, "check_redrawn_examples", False)]
     originals = []
     FSDPParamGroup.unshard = unshard
@@ -104,12 +105,43 @@ def probed(mode: str, ctx, keep: bool) -> dict:
             "step": step}
 
 
+def same_objects(ctx) -> dict:
+    """After the engine's plan: FSDP2's records give each unit's gathered parameters, the same objects as the unit
+    unsharded shows, and the ones each layer holds in a pass."""
+    from dptext.privacy.proof.sharded_probe import gathered_by_unsharding, gathered_parameters, kept_unsharded
+    from dptext.privacy.sharding.fsdp_controls import fsdp_modules
+
+    model = shard(tiny_lm(), ctx)
+    engine = engine_for(model, "bookkeeping", ctx)
+    with counted_gathers() as counts:
+        found = gathered_parameters(model)
+    kept = {unit: kept_unsharded(unit) for unit in fsdp_modules(model)}
+    swept = {unit: gathered_by_unsharding(unit) for unit in fsdp_modules(model)}
+    shards = {id(whole): shard for shard, whole in found.items()}
+    held: list = []
+    hooks = [module.register_forward_pre_hook(lambda module, args: held.append(module.weight))
+             for module in engine.tracked if isinstance(module, torch.nn.Linear)]
+    with torch.no_grad(), engine.recorder.paused():
+        model(token_ids()[:2])
+    for hook in hooks:
+        hook.remove()
+    for unit in fsdp_modules(model):
+        unit.reshard()
+    engine.detach()
+    return {"gathers": sum(counts.values()), "none_missing": all(each is not None for each in kept.values()),
+            "same_as_unsharded": all(kept[unit].keys() == swept[unit].keys() and all(
+                kept[unit][shard] is swept[unit][shard] for shard in swept[unit]) for unit in kept),
+            "every_shard": len(found) == len(list(model.parameters())),
+            "held_in_a_pass": bool(held) and all(id(weight) in shards for weight in held)}
+
+
 def worker(out: Path) -> None:
     from dptext.finetune.distributed import current, release
 
     ctx = current("cpu")
     ctx.sharded = True
     results = {(mode, keep): probed(mode, ctx, keep) for mode in MODES for keep in (True, False)}
+    results["objects"] = same_objects(ctx)
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
 
@@ -121,6 +153,14 @@ def two_ranks(tmp_path_factory):
 
 def gathers(result: dict, shape: int, phase: str, unit: str) -> int:
     return result["gathers"].get((shape, phase, unit), 0)
+
+
+def test_the_gathered_parameters_are_read_from_fsdp2_without_a_gather(two_ranks):
+    for rank in two_ranks:
+        assert rank["objects"] == {"gathers": 0, "none_missing": True, "same_as_unsharded": True,
+                                   "every_shard": True, "held_in_a_pass": True}
+        for mode in MODES:
+            assert not any(phase == "gathered_parameters" for _, phase, _ in rank[(mode, True)]["gathers"])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -201,20 +201,51 @@ def planned(engine, module: nn.Module, name: str) -> Tensor:
 
 def gathered_parameters(model: nn.Module) -> dict[Tensor, nn.Parameter]:
     """For each sharded parameter of ``model``, the unsharded ``nn.Parameter`` FSDP2 registers on its modules
-    during a pass: each FSDP2 unit is unsharded (root first: its lazy initialisation covers the others) and
-    resharded in turn, so at most one unit's weights are whole at a time. FSDP2 keeps these objects from one
-    pass to the next (``tests/test_fsdp_probe.py`` checks it), which is what lets the probe name them here."""
+    during a pass. FSDP2 makes that object at a parameter's first all-gather and keeps it from one pass to the next
+    (``FSDPParam._unsharded_param``: refilled in place by each all-gather and set on the modules by
+    ``to_unsharded``), so a unit gathered before (the engine's plan gathers every unit) is read from FSDP2's records
+    without an all-gather; any other unit (never gathered, or its gathered parameters dropped by ``fsdp_precision``
+    switching a bf16 policy to the stored dtype) is unsharded and resharded in turn, root first (its lazy
+    initialisation covers the others), so at most one unit's weights are whole at a time. Both give the same
+    objects (``tests/test_fsdp_probe_gathers.py``)."""
     found: dict[Tensor, nn.Parameter] = {}
     for unit in fsdp_modules(model):
-        before = dict(unit.named_parameters(remove_duplicate=False))
-        unit.unshard()
-        try:
-            for name, param in unit.named_parameters(remove_duplicate=False):
-                shard = before.get(name)
-                if shard is not None and is_sharded(shard) and param is not shard and not is_sharded(param):
-                    found[shard] = param
-        finally:
-            unit.reshard()
+        kept = kept_unsharded(unit)
+        found.update(kept if kept is not None else gathered_by_unsharding(unit))
+    return found
+
+
+def kept_unsharded(unit: nn.Module) -> dict[Tensor, nn.Parameter] | None:
+    """{shard: the unsharded parameter FSDP2 keeps for it} for every parameter of ``unit`` alone, or None when one
+    has none yet (or is not a plain sharded parameter: left to ``gathered_by_unsharding``). Each one's
+    ``requires_grad`` is set to its shard's here, as FSDP2's next gather would (``to_unsharded``; book-keeping took
+    the shards out of autograd after the plan's gather): that gather runs inside the probe's hooked forward, whose
+    outside-read detector sees every torch call on these objects, FSDP2's ``requires_grad_`` included."""
+    pairs = {}
+    for group in unit_groups(unit):
+        for param in group.fsdp_params:
+            whole, shard = getattr(param, "_unsharded_param", None), param.sharded_param
+            if whole is None or whole is shard or not is_sharded(shard) or is_sharded(whole):
+                return None
+            pairs[shard] = whole
+    for shard, whole in pairs.items():
+        if whole.requires_grad != shard.requires_grad:
+            whole.requires_grad_(shard.requires_grad)
+    return pairs
+
+
+def gathered_by_unsharding(unit: nn.Module) -> dict[Tensor, nn.Parameter]:
+    """``unit``'s {shard: unsharded parameter} as its modules hold them while it is gathered (one all-gather)."""
+    found: dict[Tensor, nn.Parameter] = {}
+    before = dict(unit.named_parameters(remove_duplicate=False))
+    unit.unshard()
+    try:
+        for name, param in unit.named_parameters(remove_duplicate=False):
+            shard = before.get(name)
+            if shard is not None and is_sharded(shard) and param is not shard and not is_sharded(param):
+                found[shard] = param
+    finally:
+        unit.reshard()
     return found
 
 
