@@ -1,11 +1,13 @@
 """What the sharded start-up probe all-gathers (issue 42: its cost under FSDP2 is its all-gathers): 2 gloo processes.
 
 The gathered parameters the probe follows are read from FSDP2's records without an all-gather (the same objects a
-unit unsharded shows, and that the layers hold during a pass). The root unit stays gathered through the reference's backward passes and into the re-draws after them, and on the
-stack cut to one block that block stays gathered from pass to pass, while the engine's own backward still reshards
-every unit (book-keeping finds the shards there). Checked by counting FSDP2's real all-gathers per probe phase and
-unit, and against the probe with nothing kept gathered: the same report and the same step after it, in
-book-keeping, ghost and per_sample; every unit resharded and FSDP2's settings after the probe those of the probe without.
+unit unsharded shows, and that the layers hold during a pass). The root unit stays gathered through the
+reference's backward passes and into the re-draws after them, and on the stack cut to one block that block stays
+gathered from pass to pass, while the engine's own backward still reshards every unit (book-keeping finds the
+shards there). Checked by counting FSDP2's real all-gathers per probe phase and unit, and against the probe with
+nothing kept gathered: the same report and the same step after it, in book-keeping, ghost and per_sample; every
+unit resharded and FSDP2's settings after the probe those of the probe without. An evaluation forward before the
+first training forward (it leaves FSDP2's root gathered) changes neither the proof nor the step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 import torch
 from fsdp_models import N, shard, tiny_lm, token_ids
 from test_fsdp_probe import engine_for, make_batch, probe_loss
-from test_fsdp_redteam import moves
+from test_fsdp_redteam import moves, outcome
 from two_ranks import run_two_ranks
 
 TIMEOUT = 240
@@ -57,7 +59,8 @@ def counted_gathers():
                 where["phase"] = outer["phase"]
         return real, wrapped
 
-    patches = [(verify, "probe_one", True), (sharded_probe, "gathered_parameters", False), (verify, "check_whole_forward", False),
+    patches = [(verify, "probe_one", True), (sharded_probe, "gathered_parameters", False),
+               (verify, "check_whole_forward", False),
                (probe_checks, "reference_gradients", False), (probe_checks, "check_redrawn_examples", False)]
     originals = []
     FSDPParamGroup.unshard = unshard
@@ -135,6 +138,25 @@ def same_objects(ctx) -> dict:
             "held_in_a_pass": bool(held) and all(id(weight) in shards for weight in held)}
 
 
+def evaluated_first(ctx, evaluate: bool) -> tuple:
+    """The default proof at the first training forward, after an evaluation forward without a backward (which
+    leaves FSDP2's root gathered) or without one: the outcome and the noise-free step's moves."""
+    from dptext.privacy import PrivacyEngine
+
+    model = shard(tiny_lm(), ctx)
+    engine = PrivacyEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+                           max_grad_norm=0.5, expected_batch_size=4, dataset_size=12, distributed=ctx,
+                           probe_batch=make_batch, probe_loss=probe_loss)
+    if evaluate:
+        model.eval()
+        with torch.no_grad():
+            model(token_ids()[:2])
+        model.train()
+    got = outcome(lambda: moves(model, engine, token_ids()[ctx.shard(N)]))
+    engine.detach()
+    return got
+
+
 def worker(out: Path) -> None:
     from dptext.finetune.distributed import current, release
 
@@ -142,6 +164,7 @@ def worker(out: Path) -> None:
     ctx.sharded = True
     results = {(mode, keep): probed(mode, ctx, keep) for mode in MODES for keep in (True, False)}
     results["objects"] = same_objects(ctx)
+    results["evaluated_first"] = {evaluate: evaluated_first(ctx, evaluate) for evaluate in (True, False)}
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
 
@@ -161,6 +184,16 @@ def test_the_gathered_parameters_are_read_from_fsdp2_without_a_gather(two_ranks)
                                    "every_shard": True, "held_in_a_pass": True}
         for mode in MODES:
             assert not any(phase == "gathered_parameters" for _, phase, _ in rank[(mode, True)]["gathers"])
+
+
+def test_an_evaluation_forward_before_the_first_training_forward_changes_nothing(two_ranks):
+    # it left FSDP2's root gathered, and the probe read the root's layers' gathered weights as their parameters:
+    # a model it proves otherwise was refused (the reference failed, or "no gradient recorded" for the embedding)
+    for rank in two_ranks:
+        evaluated, straight = rank["evaluated_first"][True], rank["evaluated_first"][False]
+        assert evaluated[0] == straight[0] == "ok", evaluated
+        for name, move in straight[1].items():
+            torch.testing.assert_close(evaluated[1][name], move, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", MODES)

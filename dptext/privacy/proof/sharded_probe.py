@@ -176,6 +176,8 @@ def sharded_view(engine, model: nn.Module):
     if engine.clipping_mode == "ghost" and sync_off(model):
         raise UserError(SYNC_OFF)
     check_unshard_in_backward(model)  # before the probe's first backward, which it would crash
+    for unit in fsdp_modules(model):  # a forward without a backward (an evaluation before the first training
+        unit.reshard()                # forward) leaves the root gathered: the modules must hold their shards here
     gathered = gathered_parameters(model)  # every unit resharded after it: the names give the shards
     planned = {(module, name): module.get_parameter(name) for module, (_, names) in engine.tracked.items()
                for name in names}
