@@ -116,9 +116,9 @@ class RunDir:
 
     def _remove_dead_temporaries(self) -> None:
         """What a kill left of an atomic write (the target itself is whole, old or new): ``atomic_write``'s temporary
-        files (``.NAME.XXXXXXXX.tmp``) here and in checkpoints/, and ``atomic_directory``'s staging folders in the
-        run folder (``.model-XXXXXXXX``: a whole model copy each). Only the folder's lock holder calls this, so no
-        live writer owns one; FSDP2's checkpoint staging is ``sharded_checkpoint``'s to clean."""
+        files (``.NAME.<8 random characters>.tmp``) here and in checkpoints/, and ``atomic_directory``'s staging
+        folders in the run folder (``.model-<8 random characters>``: a whole model copy each). Only the folder's
+        lock holder calls this, so no live writer owns one; FSDP2's checkpoint staging is ``sharded_checkpoint``'s."""
         for folder in (self.path, self.checkpoint_dir):
             for stale in folder.glob(".*.tmp"):
                 if stale.is_file():
