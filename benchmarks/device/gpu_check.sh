@@ -28,6 +28,12 @@ while [ $# -gt 0 ]; do
   esac
 done
 case $DEVICE in cuda|cpu) ;; *) echo "gpu_check.sh: --device is cuda or cpu, not '$DEVICE'." >&2; exit 2 ;; esac
+for name in ${ONLY//,/ }; do
+  case $name in exactness|bench|bench-T*-B*|scale|profile|finetune) ;;
+    *) echo "gpu_check.sh: --only takes exactness, bench, bench-T<T>-B<B>, scale, profile, finetune, not '$name'." >&2
+       exit 2 ;;
+  esac
+done
 OUT=${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}
 WORK=$(mktemp -d -t gpu_check_work.XXXXXX)
 mkdir -p "$OUT"
