@@ -100,7 +100,10 @@ def reduce_bookkeeping(engine, uses: list, coef, units: UnitIndex | None, norms,
         return clipping.clipped_sums(chunk_uses, coef, per_unit=units is not None)
 
     optimizer = engine.dp_optimizer
-    reduce_in_chunks(optimizer, optimizer.chunks, sums_of, count)
+    only = engine.probe_compared if engine.recorder.probing else None  # the probe compares its representatives'
+    chunks = optimizer.chunks if only is None else [  # sums only (proof.patterns): the others are neither formed
+        compared for chunk in optimizer.chunks if (compared := [param for param in chunk if param in only])]
+    reduce_in_chunks(optimizer, chunks, sums_of, count)  # nor reduced (the same set on every rank)
 
 
 def join_reduction(engine) -> None:

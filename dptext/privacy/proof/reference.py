@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from dptext.privacy.clipping import sums as clipping
-from dptext.privacy.proof.sharded_probe import kept_through_backward, view_of
+from dptext.privacy.proof.kept_units import kept_through_backward
+from dptext.privacy.proof.sharded_probe import view_of
 
 
 @contextmanager
@@ -68,7 +69,7 @@ class Reference:
         squares: list[dict[nn.Parameter, Tensor]] = []
         self.params = params
         self.sums: list[Tensor] = []  # formed from the first compared example's gradient: no zero-filled copy
-        with requiring_grad(list(dict.fromkeys(params + targets + shards))), kept_through_backward(engine):
+        with kept_through_backward(engine), requiring_grad(list(dict.fromkeys(params + targets + shards))):
             with engine.recorder.paused(), same_randomness(device):
                 loss = loss_fn(engine.model, batch)
             self.loss = loss.detach()

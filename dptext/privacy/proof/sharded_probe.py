@@ -51,8 +51,8 @@ class ShardedView:
     rank: int
     world_size: int
     planned: dict[tuple[nn.Module, str], Tensor] = field(default_factory=dict)  # (layer, name) -> its shard
-    kept: list[nn.Module] = field(default_factory=list)  # units kept gathered between passes (``kept_through_
-    # backward``): the root, and on a stack cut to one block that block
+    kept: list[nn.Module] = field(default_factory=list)  # units kept gathered between passes (``proof.kept_units``)
+    ever_kept: set = field(default_factory=set)  # every unit kept at some point (their weights must stay unwritten)
 
     def __post_init__(self) -> None:
         # id(unsharded parameter) -> its shard: what a module holds between a forward and its backward
@@ -96,8 +96,10 @@ def anywhere(engine, flag: bool) -> bool:
 @contextmanager
 def gathered_unit(engine, module: nn.Module):
     """Under sharding, ``module``'s FSDP2 unit gathered for a call outside a pass (the probe's re-run of a layer
-    whose batch-1 input was broadcast), given back after; otherwise nothing."""
-    if view_of(engine) is None:
+    whose batch-1 input was broadcast), given back after unless the probe keeps it (``proof.kept_units``);
+    otherwise nothing."""
+    view = view_of(engine)
+    if view is None:
         yield
         return
     units = [unit for unit in fsdp_modules(engine.model) if any(m is module for m in unit.modules())]
@@ -106,55 +108,8 @@ def gathered_unit(engine, module: nn.Module):
     try:
         yield
     finally:
-        unit.reshard()
-
-
-@contextmanager
-def kept_through_backward(engine):
-    """Under sharding, the units the probe keeps gathered (``ShardedView.kept``: the root, and on the cut stack its
-    one block) stay gathered through the backward passes inside the block (the reference's, one per compared
-    example over one retained graph) and after it; otherwise nothing. Each of these passes holds them anyway (FSDP2
-    keeps the root gathered from a pass's forward to the end of its backward; a pass on a stack cut to one block
-    holds that block with the root), so keeping them between the passes adds nothing to what a pass holds and saves
-    their all-gathers at the start of each (the re-draws' forwards after the reference use them as left). The
-    engine's own backward is never inside: book-keeping and per_sample need the shards back after it
-    (``fsdp_controls.check_resharded_after_backward``), and FSDP2 reshards every unit there as before."""
-    view = view_of(engine)
-    groups = [group for unit in (view.kept if view is not None else ()) for group in unit_groups(unit)]
-    was = [group.reshard_after_backward for group in groups]
-    for unit in view.kept if view is not None else ():
-        unit.set_reshard_after_backward(False, recurse=False)  # FSDP2's own setting (for gradient accumulation)
-    try:
-        yield
-    finally:
-        for group, flag in zip(groups, was):
-            group.reshard_after_backward = flag
-
-
-@contextmanager
-def cut_block_kept(engine):
-    """Under sharding, while the probe runs on a stack cut to one FSDP2 unit besides the root (``proof.stack``;
-    a Llama's first decoder layer), that unit stays gathered from one pass to the next (after a forward, and
-    through the reference's backward passes: ``kept_through_backward``); the engine's backward still reshards it.
-    The cut model is then the root and that unit, which each of its passes holds at once: keeping them adds
-    nothing to what a pass holds. A cut that keeps more units is left to FSDP2 (a pass holds one at a time)."""
-    view = view_of(engine)
-    units = [unit for unit in fsdp_modules(engine.model) if unit is not engine.model] if view is not None else []
-    if len(units) != 1:
-        yield
-        return
-    unit = units[0]
-    groups = unit_groups(unit)
-    was = [group.post_forward_mesh_info for group in groups], unit._get_fsdp_state()._auto_reshard_after_forward
-    unit.set_reshard_after_forward(False, recurse=False)  # FSDP2's own setting (for evaluation)
-    view.kept.append(unit)
-    try:
-        yield
-    finally:
-        view.kept.remove(unit)
-        for group, info in zip(groups, was[0]):  # put back exactly what the setter wrote
-            group.post_forward_mesh_info = info
-        unit._get_fsdp_state()._auto_reshard_after_forward = was[1]
+        if not any(unit is kept for kept in view.kept):
+            unit.reshard()
 
 
 def unit_groups(unit: nn.Module) -> list:

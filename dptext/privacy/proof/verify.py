@@ -42,8 +42,8 @@ from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
-from dptext.privacy.proof.sharded_probe import (DISAGREE, HALF, agreed, check_same_batch, cut_block_kept,
-                                                sharded_view, view_of)
+from dptext.privacy.proof.kept_units import cut_block_kept, kept_gathered
+from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, check_same_batch, sharded_view, view_of
 from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_batches, synthetic_token_batch
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
@@ -166,7 +166,8 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     with gathered_as_stored(model), sharded_view(engine, model) as view, torch.autocast(device.type, enabled=False):
         if view is not None and half_stored(model) is not None:
             raise UserError(HALF.format(half_stored(model)))
-        report = _probe(engine, make_batch, loss_fn, shapes, None if view is not None else dtype, cut_stacks)
+        with kept_gathered(engine):  # FSDP2: units kept gathered between the passes, within a budget
+            report = _probe(engine, make_batch, loss_fn, shapes, None if view is not None else dtype, cut_stacks)
         problem = agreed((report.table(), bool(report.loss_problem), bool(report.state_problem))) \
             if view is not None else None
     if problem is not None:
@@ -231,10 +232,12 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
             if cut is None and rows is None:
                 return probe_batches(draw(0))
             probe_batches(draw(0)[:1])  # B ≠ T on the whole model: every check, at every depth
-            first_shape = findings(report)
             later = draw(1, rows)
             vocabulary = rows if rows and all(ids_below(batch, rows.rows) for batch, _ in later) else None
             later = later if vocabulary is rows else draw(1)  # a batch with ids beyond the cut: whole vocabulary
+            for batch, _ in later:  # while FSDP2 units the probe keeps are still gathered from the first shape
+                check_whole_forward(engine, report, batch, loss_fn, device)
+            first_shape = findings(report)
             try:  # B = T on the blocks that differ (``proof.stack``) and the first rows of the vocabulary
                 with applied(cut), vocabulary_applied(vocabulary), cut_block_kept(engine):  # (``proof.vocabulary``)
                     probe_batches(later)
@@ -248,8 +251,6 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
                                     f"({type(error).__name__})")
                 later = draw(1)
                 return probe_batches(later)
-            for batch, _ in later:
-                check_whole_forward(engine, report, batch, loss_fn, device)
 
     def run_or_refuse(precision) -> None:
         try:
