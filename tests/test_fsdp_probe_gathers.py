@@ -81,12 +81,13 @@ def nothing_kept():
     """The probe as before this change: FSDP2 reshards every unit after each pass."""
     from dptext.privacy.proof import reference, verify
 
-    saved = reference.kept_through_backward, verify.cut_block_kept
-    reference.kept_through_backward = verify.cut_block_kept = lambda engine: contextlib.nullcontext()
+    saved = reference.kept_through_backward, verify.cut_block_kept, verify.kept_gathered
+    reference.kept_through_backward = verify.cut_block_kept = verify.kept_gathered = \
+        lambda engine: contextlib.nullcontext()
     try:
         yield
     finally:
-        reference.kept_through_backward, verify.cut_block_kept = saved
+        reference.kept_through_backward, verify.cut_block_kept, verify.kept_gathered = saved
 
 
 def settings(model) -> list:
@@ -216,8 +217,8 @@ def test_the_cut_stacks_one_block_stays_gathered_and_the_cut_block_is_not_gather
         assert gathers(got, 1, "check_redrawn_examples", "blocks.0") == 0, got["gathers"]
         assert gathers(before, 1, "check_redrawn_examples", "blocks.0") > 0, before["gathers"]
         cut_away = [key for key in got["gathers"] if key[0] == 1 and key[2] == "blocks.1"]
-        assert cut_away == [(1, "check_whole_forward", "blocks.1")], got["gathers"]  # the whole forward still runs
-        assert gathers(got, 1, "check_whole_forward", "blocks.1") == 1  # every block
+        assert cut_away == [], got["gathers"]  # the whole forward at the cut shape runs before the cut (shape 0)
+        assert gathers(got, 0, "check_whole_forward", "blocks.1") == 1  # every block
         assert sum(got["gathers"].values()) < sum(before["gathers"].values())
 
 

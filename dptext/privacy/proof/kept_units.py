@@ -11,25 +11,29 @@ from its forward to its backward), as is the one block of a stack cut to one blo
 gives the kept units back (book-keeping and per_sample need the shards there,
 ``fsdp_controls.check_resharded_after_backward``); the next forward gathers them again.
 
-A kept weight carries whatever a pass writes into it to the next pass, which training (gathering afresh at each
-pass) never sees, so a forward that writes into a kept unit's gathered weights in place is refused
-(``check_unwritten``); FSDP2's own all-gathers keep the weights' version counters, so any change of one is a write.
+A kept unit must look to the model as training leaves it, and hold what a fresh gather gives, or a model could
+tell the probe's passes from training's (red-teamed: ``tests/test_fsdp_kept_redteam.py``). So outside its own
+forward and backward a kept unit has its shards registered on its modules, as FSDP2 leaves a unit it gave back
+(``looking_sharded``: a model checking whether a block's weight is a DTensor sees what training shows it), and a
+write into a kept unit's gathered weights is refused (``proof.kept_checks``): a change of their version counters
+(FSDP2's all-gathers keep them), rows of this rank that differ from its shard before any pass (``check_fresh``: a
+write through ``.data`` has a counter of its own), or copies that differ between the ranks (``compare_digests``:
+marks each rank wrote only into rows another owns). Not covered: code that writes into another rank's rows and
+undoes the write before FSDP2 gives the unit back, or that inspects FSDP2's private state; code in the process can
+always single out the probe's passes if it sets out to (the batch shapes), and the proof is about code that does not.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dptext.errors import UserError
-from dptext.privacy.proof.sharded_probe import anywhere, unit_groups, view_of
+from dptext.privacy.proof.kept_checks import check_unwritten, compare_digests, gathered_versions, record_digests
+from dptext.privacy.proof.sharded_probe import unit_groups, view_of
 from dptext.privacy.sharding.fsdp_controls import fsdp_modules
-
-WRITTEN = ("The model's forward writes into the gathered weights of '{}' in place (a version change the start-up "
-           "probe saw between its passes), which a sharded probe that keeps them gathered cannot follow and training "
-           "would not see; remove the in-place write to the weights (or prove the model before fully_shard).")
 
 
 def state_per_parameter(optimizer, group: dict) -> int:
@@ -58,10 +62,19 @@ def unit_bytes(unit: nn.Module) -> int:
                for group in unit_groups(unit) for param in group.fsdp_params)
 
 
-def units_within_budget(model: nn.Module, optimizer, world_size: int) -> list[nn.Module]:
-    """The units besides the root to keep gathered, in module order, while the root and they fit the optimizer
-    state a rank will hold (``state_budget`` / world size). The same on every rank: sizes are of whole tensors."""
-    budget = state_budget(optimizer)
+def agreed_budget(engine) -> int:
+    """``state_budget`` of the engine's optimizer, the smallest over the ranks (one all-reduce): the units kept
+    must be the same on every rank, whose passes are collectives, even where their optimizers differ."""
+    budget = torch.tensor([float(state_budget(engine.optimizer))], dtype=torch.float64,
+                          device=engine.params[0].device)
+    dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    return int(budget.item())
+
+
+def units_within_budget(model: nn.Module, budget: int, world_size: int) -> list[nn.Module]:
+    """The units besides the root to keep gathered, in module order, while the root and they fit ``budget`` (the
+    optimizer state of all ranks together, ``agreed_budget``) over the world size. The same on every rank: the
+    sizes are of whole tensors."""
     units = fsdp_modules(model)
     held = sum(unit_bytes(unit) for unit in units if unit is model) * world_size
     chosen = []
@@ -78,14 +91,16 @@ def units_within_budget(model: nn.Module, optimizer, world_size: int) -> list[nn
 @contextmanager
 def kept_after_forward(view, unit: nn.Module):
     """``unit`` kept gathered after its forward (FSDP2's own setter, as for evaluation) and in ``view.kept`` (kept
-    through the reference's backward passes: ``kept_through_backward``), put back exactly after."""
+    through the reference's backward passes: ``kept_through_backward``), looking sharded between its passes
+    (``looking_sharded``); all put back exactly after."""
     groups = unit_groups(unit)
     was = [group.post_forward_mesh_info for group in groups], unit._get_fsdp_state()._auto_reshard_after_forward
     unit.set_reshard_after_forward(False, recurse=False)
     view.kept.append(unit)
     view.ever_kept.add(unit)
     try:
-        yield
+        with looking_sharded(view, unit, groups):
+            yield
     finally:
         view.kept.remove(unit)
         for group, info in zip(groups, was[0]):  # put back exactly what the setter wrote
@@ -94,9 +109,63 @@ def kept_after_forward(view, unit: nn.Module):
 
 
 @contextmanager
+def looking_sharded(view, unit: nn.Module, groups: list):
+    """A kept unit registered on its modules as training leaves it between its passes: outside its own forward and
+    backward FSDP2 registers the shards (DTensors) there, and model code could tell a kept unit's gathered weights
+    from them (a red team's root forward checked whether a block's weight was a DTensor and coupled examples only
+    then, which the re-draws on kept blocks never saw). So after the unit's forward and backward its shards are
+    registered again while its gathered storage stays (FSDP2's state still says gathered, so its next pre-forward
+    or pre-backward gathers nothing), and FSDP2's wait for a gather registers the gathered weights again there, as
+    after a real gather (``FSDPParam.to_unsharded``). Patched on these param groups only (instance attributes),
+    removed after."""
+    def disguised(group):
+        if group.is_unsharded:
+            for param in group.fsdp_params:
+                param._setattr_on_modules(param.sharded_param)
+
+    def waited(group, real):
+        def wait_for_unshard(*args, **kwargs):
+            real(*args, **kwargs)
+            if group.is_unsharded:
+                for param in group.fsdp_params:
+                    param.to_unsharded()
+        return wait_for_unshard
+
+    def then_disguised(group, real):
+        def call(*args, **kwargs):
+            result = real(*args, **kwargs)
+            disguised(group)
+            return result
+        return call
+
+    def digested_first(group, real):
+        def to_sharded(*args, **kwargs):  # FSDP2's reshard, where it really gives the gathered weights back
+            if group.is_unsharded:
+                record_digests(view, unit)
+            return real(*args, **kwargs)
+        return to_sharded
+
+    for group in groups:
+        group.wait_for_unshard = waited(group, group.wait_for_unshard)
+        group.post_forward = then_disguised(group, group.post_forward)
+        group.post_backward = then_disguised(group, group.post_backward)
+        group._to_sharded = digested_first(group, group._to_sharded)
+    try:
+        yield
+    finally:
+        for group in groups:
+            for name in ("wait_for_unshard", "post_forward", "post_backward", "_to_sharded"):
+                del group.__dict__[name]
+            if group.is_unsharded:  # registered as FSDP2's state says, for the resharding after the probe
+                for param in group.fsdp_params:
+                    param.to_unsharded()
+
+
+@contextmanager
 def kept_gathered(engine):
     """Under sharding, for the probe's duration: the units ``units_within_budget`` chooses kept gathered between
-    passes, and at the end ``check_unwritten``; otherwise nothing."""
+    passes (``kept_after_forward``), and at the end the checks that their weights stayed as gathered
+    (``proof.kept_checks``); otherwise nothing."""
     view = view_of(engine)
     if view is None:
         yield
@@ -104,51 +173,22 @@ def kept_gathered(engine):
     model = engine.model
     versions = gathered_versions(model)
     view.ever_kept.update(view.kept)
-    chosen = units_within_budget(model, engine.optimizer, view.world_size)
-    with _each_kept(view, chosen):
+    with ExitStack() as stack:
+        for unit in units_within_budget(model, agreed_budget(engine), view.world_size):
+            stack.enter_context(kept_after_forward(view, unit))
         yield
+    compare_digests(view, model)
     check_unwritten(engine, versions)
 
 
 @contextmanager
-def _each_kept(view, units: list[nn.Module]):
-    if not units:
-        yield
-        return
-    with kept_after_forward(view, units[0]), _each_kept(view, units[1:]):
-        yield
-
-
-def gathered_versions(model: nn.Module) -> dict[nn.Module, list]:
-    """Each unit's gathered weights (FSDP2's ``_unsharded_param``) and their version counters now."""
-    found = {}
-    for unit in fsdp_modules(model):
-        found[unit] = [(whole, whole._version) for group in unit_groups(unit) for param in group.fsdp_params
-                       if (whole := getattr(param, "_unsharded_param", None)) is not None]
-    return found
-
-
-def check_unwritten(engine, versions: dict[nn.Module, list]) -> None:
-    """Refuse, on every rank alike, a model whose passes wrote into a kept unit's gathered weights in place."""
-    view = view_of(engine)
-    written = next((unit for unit in view.ever_kept for whole, version in versions.get(unit, ())
-                    if whole._version != version), None)
-    if anywhere(engine, written is not None):
-        name = next((name for name, module in engine.model.named_modules() if module is written), None)
-        raise UserError(WRITTEN.format(name or type(engine.model).__name__ if written is not None
-                                       else "a unit on another rank"))
-
-
-@contextmanager
 def kept_through_backward(engine):
-    """Under sharding, the units the probe keeps gathered (``ShardedView.kept``: the root, and on the cut stack its
-    one block) stay gathered through the backward passes inside the block (the reference's, one per compared
-    example over one retained graph) and after it; otherwise nothing. Each of these passes holds them anyway (FSDP2
-    keeps the root gathered from a pass's forward to the end of its backward; a pass on a stack cut to one block
-    holds that block with the root), so keeping them between the passes adds nothing to what a pass holds and saves
-    their all-gathers at the start of each (the re-draws' forwards after the reference use them as left). The
-    engine's own backward is never inside: book-keeping and per_sample need the shards back after it
-    (``fsdp_controls.check_resharded_after_backward``), and FSDP2 reshards every unit there as before."""
+    """Under sharding, the units the probe keeps gathered (``ShardedView.kept``: the root, those within the budget,
+    a cut stack's one block) stay gathered through the backward passes inside the block (the reference's, one per
+    compared example over one retained graph) and after it; otherwise nothing. The re-draws' forwards after the
+    reference use them as left. The engine's own backward is never inside: book-keeping and per_sample need the
+    shards back after it (``fsdp_controls.check_resharded_after_backward``), and FSDP2 reshards every unit there as
+    in training."""
     view = view_of(engine)
     groups = [group for unit in (view.kept if view is not None else ()) for group in unit_groups(unit)]
     was = [group.reshard_after_backward for group in groups]

@@ -53,6 +53,9 @@ class ShardedView:
     planned: dict[tuple[nn.Module, str], Tensor] = field(default_factory=dict)  # (layer, name) -> its shard
     kept: list[nn.Module] = field(default_factory=list)  # units kept gathered between passes (``proof.kept_units``)
     ever_kept: set = field(default_factory=set)  # every unit kept at some point (their weights must stay unwritten)
+    written: set = field(default_factory=set)  # units found gathered with other values than their shards'
+    digests: list = field(default_factory=list)  # (id(unit), its gathered weights' digests), in the order taken
+    digest_units: dict = field(default_factory=dict)  # id(unit) -> unit
 
     def __post_init__(self) -> None:
         # id(unsharded parameter) -> its shard: what a module holds between a forward and its backward

@@ -42,6 +42,7 @@ from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
+from dptext.privacy.proof.kept_checks import with_fresh_weights
 from dptext.privacy.proof.kept_units import cut_block_kept, kept_gathered
 from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, check_same_batch, sharded_view, view_of
 from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_batches, synthetic_token_batch
@@ -202,7 +203,7 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
     rows = plan_vocabulary_cut(model, token_vocabulary(model)) if cut_stacks and not whole_vocabulary \
         and view_of(engine) is None else None  # FSDP2 gathers the whole rows: no vocabulary cut
     make_batch = make_batch or synthetic_token_batch(model)
-    loss_fn = loss_fn or output_functional_loss
+    loss_fn = with_fresh_weights(engine, loss_fn or output_functional_loss)  # FSDP2: kept weights unwritten
     report = ProbeReport({m: LayerRow(engine.names[m], type(m).__name__, type(rule).__name__.removesuffix("Rule"))
                           for m, (rule, _) in engine.tracked.items()}, shapes=tuple(shapes),
                          modes=training_modes(model), plan=proof_plan(engine))
