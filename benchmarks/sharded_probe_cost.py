@@ -40,7 +40,7 @@ PHASES = (("sharded_probe", "gathered_parameters"), ("probe_checks", "engine_for
 
 def instrument(seconds: collections.Counter, gathers: collections.Counter, phase: list, held: dict) -> None:
     """Wrap each phase's function (its seconds) and FSDP2's unshard (its parameters, under the current phase) and
-    reshard: ``held["now"]`` is the parameters gathered at the moment, ``held[phase]`` the most at once in it."""
+    reshard: ``held[phase]`` the most parameters gathered at once in it, sampled where a unit is given back."""
     import importlib
 
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -67,20 +67,22 @@ def instrument(seconds: collections.Counter, gathers: collections.Counter, phase
     def size(group) -> int:
         return sum(param.sharded_param.numel() for param in group.fsdp_params)  # global sizes
 
+    groups: list = []
+
     def counted(self, *args, **kwargs):
         if self._all_gather_result is None and not self.is_unsharded:  # else a no-op (FSDP2's own early returns)
             gathers[phase[0]] += size(self)
-            held["now"] += size(self)
-            key = phase[0] if phase[0] in ("DP step", "engine construction") else "probe"
-            held[key] = max(held.get(key, 0), held["now"])
+        if not any(self is each for each in groups):
+            groups.append(self)
         return unshard(self, *args, **kwargs)
 
     def given_back(self, *args, **kwargs):
-        was = self.is_unsharded or self._all_gather_result is not None
-        result = reshard(self, *args, **kwargs)
-        if was and not (self.is_unsharded or self._all_gather_result is not None):
-            held["now"] -= size(self)
-        return result
+        # sampled where a unit is given back: what is gathered at that moment (a copy-served gather, which
+        # ``proof.cached_gathers`` makes without FSDP2's unshard, is counted here too)
+        now = sum(size(group) for group in groups if group.is_unsharded)
+        key = phase[0] if phase[0] in ("DP step", "engine construction") else "probe"
+        held[key] = max(held.get(key, 0), now)
+        return reshard(self, *args, **kwargs)
 
     FSDPParamGroup.unshard, FSDPParamGroup.reshard = counted, given_back
 

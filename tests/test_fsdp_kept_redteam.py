@@ -1,10 +1,11 @@
-"""Red team of the sharded probe keeping FSDP2 units gathered between its passes (``proof.kept_units``): 2 gloo ranks.
+"""Red team of the sharded probe's saved all-gathers (issue 42): 2 gloo ranks.
 
-Between the probe's passes a kept unit's gathered weights carry whatever a forward wrote into them, which training
-(gathering afresh at every pass) never sees. ``check_unwritten`` refuses a change of their version counters; a
-write through ``.data`` has its own counter. A model that marks its gathered weights on its first pass after a
-gather (a frozen flag parameter in its own unit) can tell the probe's kept passes from the fresh ones training
-always runs, and so behave one way in the re-draws (which the probe runs on kept units) and another in training.
+Its attacks were built against a first version that kept FSDP2 units gathered between the probe's passes: a kept
+unit's gathered weights carried whatever a forward wrote into them, which training (gathering afresh at every
+pass) never sees, so a model that marked its gathered weights on its first pass after a gather (a frozen flag
+parameter in its own unit) could tell the probe's kept passes from training's fresh ones. The design now in
+``proof.cached_gathers`` runs FSDP2 as in training (every unit given back after its passes, a write into gathered
+weights dropped with them) and serves a unit's later all-gathers from a copy of its first; every attack is refused.
 
 The attack model (``Marked``): each block mixes the examples in its forward (adds the batch mean of its input,
 detached: the per-example gradients stay exact, so the engine and brute force agree, but one example moves every
@@ -13,14 +14,9 @@ flag reads 0: what every training pass sees) it computes the mean of this batch,
 flag; on a pass whose weights were kept (flag 1) it reuses the cached mean of the batch it saw fresh, so the
 probe's re-draws see other examples' losses unmoved.
 
-Findings still open against the working tree (with_fresh_weights, agreed_budget): a mark each rank writes into
-the rows the other rank owns, and a model that needs no mark (it asks FSDP2 whether its blocks are registered
-sharded). The ``.data`` marks, the root's ``.data`` mark and different optimizers on the ranks were findings at
-commit d4afa46 and are kept as regression tests.
-
-Each attack was accepted by a first version of the change and is refused now (the comments say by what); on the
-code before the change (the root alone kept) the root's ``.data`` mark was accepted too. Run as a script by
-``launch`` (2 ranks, ``PYTHONPATH`` choosing the code under test).
+Each attack was accepted by a version of the change and is refused now; on the code before the change (the root
+kept gathered into the re-draws) the root's ``.data`` mark was accepted too. Run as a script by ``launch`` (2
+ranks, ``PYTHONPATH`` choosing the code under test).
 """
 
 from __future__ import annotations
@@ -71,7 +67,7 @@ def mixed(owner: nn.Module, hidden):
     if bool(owner.flag[entry] == 0) or key not in owner.cache:  # gathered afresh: every training pass
         owner.cache[key] = hidden.mean(dim=(0, 1)).detach()
         with torch.no_grad():
-            if owner.write == "data":  # a separate version counter: invisible to check_unwritten
+            if owner.write == "data":  # a separate version counter: invisible to a version check
                 owner.flag.data[0] = 1.0
             elif owner.write == "inplace":  # counted by the gathered weight's version counter
                 owner.flag[0] = 1.0
@@ -264,22 +260,22 @@ def test_a_mark_written_through_data_into_a_kept_unit_is_refused(here, case):
     # kept) the blocks stay gathered from the reference into the re-draws; the block marks its gathered flag
     # through ``.data`` (a separate version counter) and replays the batch mean it saw fresh, so no re-draw moves
     # another example, and the probe accepted a model whose training forward mixes examples
-    # (test_the_attack_model_leaks_in_training). Refused now by ``with_fresh_weights``: before every pass each
-    # rank's rows of a gathered unit must equal its shard.
+    # (test_the_attack_model_leaks_in_training). Refused now: the mark is dropped with the gathered storage
+    # when FSDP2 gives the unit back, and a copy taken at the all-gather (before any forward) refills it.
     for rank in here:
         assert rank["code"].startswith(str(HERE)), rank["code"]
         assert rank[case].startswith("refused"), (case, rank[case])
 
 
 def test_an_in_place_mark_in_a_kept_block_is_refused(here):
-    # an ordinary in-place write bumps the gathered weight's version counter: check_unwritten refuses it
+    # an ordinary in-place write: dropped with the gathered storage as in training, so the re-draws see the mix
     for rank in here:
         assert rank["block_inplace_adam"].startswith("refused"), rank["block_inplace_adam"]
 
 
 def test_a_data_mark_without_a_budget_is_refused_by_the_redraws(here):
     # plain SGD keeps no optimizer state: only the root (and the cut stack's one block) is kept, the blocks are
-    # gathered afresh for each re-draw (refused by the re-draws, or by with_fresh_weights on the cut block)
+    # gathered afresh for each re-draw (refused by the re-draws)
     for rank in here:
         assert rank["block_data_sgd"].startswith("refused"), rank["block_data_sgd"]
 
@@ -294,10 +290,9 @@ def test_a_mark_written_through_data_into_the_root_unit_is_refused(here, case):
 
 
 def test_a_mark_each_rank_writes_only_into_the_other_ranks_rows_is_refused(here):
-    # Found by the red team against the rows check alone: rank r marks the flag's entry that rank 1 - r owns
-    # (``.data``), so neither rank sees a change in its own rows. Refused now by ``compare_digests``: every
-    # rank's whole gathered copy, digested before FSDP2 gives it back and at the end, must equal every other's
-    # (a plain sum of the bits missed this exchange; the digest weights each entry by its position).
+    # Found by the red team against a check of each rank's own rows: rank r marks the flag's entry that rank
+    # 1 - r owns (``.data``), so neither rank saw a change in its own rows. Refused now: the mark is dropped
+    # with the gathered storage when FSDP2 gives the unit back, as in training.
     for rank in here:
         assert rank["block_other_rows_adam"].startswith("refused"), rank["block_other_rows_adam"]
 
@@ -306,8 +301,7 @@ def test_a_model_that_asks_fsdp2_whether_its_blocks_are_kept_is_refused(here):
     # Found by the red team (no write at all): the root's forward asks whether the blocks' registered parameters
     # are DTensors (sharded) when it starts — always so in training, where each block is gathered in its own
     # pre-forward — and mixes the examples only then; with the blocks kept gathered the re-draws replayed the
-    # fresh batch's mix. Refused now: ``looking_sharded`` registers a kept unit's shards outside its own forward
-    # and backward, as training leaves it, and the gathered weights again in FSDP2's wait for the gather.
+    # fresh batch's mix. Refused now: FSDP2 gives every unit back after its passes as in training.
     for rank in here:
         assert rank["sees_kept_adam"].startswith("refused"), rank["sees_kept_adam"]
 

@@ -8,7 +8,7 @@ and, at every step, that nothing it did not see has changed since (docs/privacy_
 - ``stack``, ``vocabulary``: the second probe shape on the block stacks cut after their last block that differs and
   on the first rows of the vocabulary (the first shape runs on the whole model).
 - ``sharded_probe``: the same probe on an FSDP2-sharded model, every rank together, no rank holding the whole model;
-  ``kept_units``: which units it keeps gathered between its passes (within the optimizer-state budget).
+  ``cached_gathers``: a unit's later all-gathers there served from a copy of its first (within a budget).
 - ``synthetic``, ``buffers``: the probe's synthetic batches and default loss; the state a training forward must
   leave alone.
 - ``in_place``, ``outside_reads``: in-place changes and reads of tracked parameters outside their modules.

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor, nn
 
 from dptext.privacy.clipping import sums as clipping
-from dptext.privacy.proof.kept_units import kept_through_backward
 from dptext.privacy.proof.sharded_probe import view_of
 
 
@@ -69,7 +68,7 @@ class Reference:
         squares: list[dict[nn.Parameter, Tensor]] = []
         self.params = params
         self.sums: list[Tensor] = []  # formed from the first compared example's gradient: no zero-filled copy
-        with kept_through_backward(engine), requiring_grad(list(dict.fromkeys(params + targets + shards))):
+        with requiring_grad(list(dict.fromkeys(params + targets + shards))):
             with engine.recorder.paused(), same_randomness(device):
                 loss = loss_fn(engine.model, batch)
             self.loss = loss.detach()

@@ -51,11 +51,6 @@ class ShardedView:
     rank: int
     world_size: int
     planned: dict[tuple[nn.Module, str], Tensor] = field(default_factory=dict)  # (layer, name) -> its shard
-    kept: list[nn.Module] = field(default_factory=list)  # units kept gathered between passes (``proof.kept_units``)
-    ever_kept: set = field(default_factory=set)  # every unit kept at some point (their weights must stay unwritten)
-    written: set = field(default_factory=set)  # units found gathered with other values than their shards'
-    digests: list = field(default_factory=list)  # (id(unit), its gathered weights' digests), in the order taken
-    digest_units: dict = field(default_factory=dict)  # id(unit) -> unit
 
     def __post_init__(self) -> None:
         # id(unsharded parameter) -> its shard: what a module holds between a forward and its backward
@@ -99,10 +94,8 @@ def anywhere(engine, flag: bool) -> bool:
 @contextmanager
 def gathered_unit(engine, module: nn.Module):
     """Under sharding, ``module``'s FSDP2 unit gathered for a call outside a pass (the probe's re-run of a layer
-    whose batch-1 input was broadcast), given back after unless the probe keeps it (``proof.kept_units``);
-    otherwise nothing."""
-    view = view_of(engine)
-    if view is None:
+    whose batch-1 input was broadcast), given back after; otherwise nothing."""
+    if view_of(engine) is None:
         yield
         return
     units = [unit for unit in fsdp_modules(engine.model) if any(m is module for m in unit.modules())]
@@ -111,8 +104,7 @@ def gathered_unit(engine, module: nn.Module):
     try:
         yield
     finally:
-        if not any(unit is kept for kept in view.kept):
-            unit.reshard()
+        unit.reshard()
 
 
 def unit_groups(unit: nn.Module) -> list:
@@ -139,8 +131,7 @@ def sharded_view(engine, model: nn.Module):
     gathered = gathered_parameters(model)  # every unit resharded after it: the names give the shards
     planned = {(module, name): module.get_parameter(name) for module, (_, names) in engine.tracked.items()
                for name in names}
-    engine.probe_view = ShardedView(gathered, dist.get_rank(), dist.get_world_size(), planned,
-                                    [unit for unit in fsdp_modules(model) if unit is model])
+    engine.probe_view = ShardedView(gathered, dist.get_rank(), dist.get_world_size(), planned)
     without_grad = [param for param in model.parameters() if param.grad is None]
     try:
         yield engine.probe_view

@@ -42,8 +42,7 @@ from dptext.privacy.proof.probe_checks import probe_one
 from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
-from dptext.privacy.proof.kept_checks import with_fresh_weights
-from dptext.privacy.proof.kept_units import cut_block_kept, kept_gathered
+from dptext.privacy.proof.cached_gathers import cached_gathers
 from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, check_same_batch, sharded_view, view_of
 from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_batches, synthetic_token_batch
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
@@ -167,7 +166,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     with gathered_as_stored(model), sharded_view(engine, model) as view, torch.autocast(device.type, enabled=False):
         if view is not None and half_stored(model) is not None:
             raise UserError(HALF.format(half_stored(model)))
-        with kept_gathered(engine):  # FSDP2: units kept gathered between the passes, within a budget
+        with cached_gathers(engine):  # FSDP2: a unit's later gathers served from a copy of its first
             report = _probe(engine, make_batch, loss_fn, shapes, None if view is not None else dtype, cut_stacks)
         problem = agreed((report.table(), bool(report.loss_problem), bool(report.state_problem))) \
             if view is not None else None
@@ -203,7 +202,7 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
     rows = plan_vocabulary_cut(model, token_vocabulary(model)) if cut_stacks and not whole_vocabulary \
         and view_of(engine) is None else None  # FSDP2 gathers the whole rows: no vocabulary cut
     make_batch = make_batch or synthetic_token_batch(model)
-    loss_fn = with_fresh_weights(engine, loss_fn or output_functional_loss)  # FSDP2: kept weights unwritten
+    loss_fn = loss_fn or output_functional_loss
     report = ProbeReport({m: LayerRow(engine.names[m], type(m).__name__, type(rule).__name__.removesuffix("Rule"))
                           for m, (rule, _) in engine.tracked.items()}, shapes=tuple(shapes),
                          modes=training_modes(model), plan=proof_plan(engine))
@@ -240,7 +239,7 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
                 check_whole_forward(engine, report, batch, loss_fn, device)
             first_shape = findings(report)
             try:  # B = T on the blocks that differ (``proof.stack``) and the first rows of the vocabulary
-                with applied(cut), vocabulary_applied(vocabulary), cut_block_kept(engine):  # (``proof.vocabulary``)
+                with applied(cut), vocabulary_applied(vocabulary):  # (``proof.vocabulary``)
                     probe_batches(later)
             except UserError:
                 raise
