@@ -85,6 +85,31 @@ def writing(ctx, optimizer) -> tuple:
     return outcome(lambda: engine.verify(make_batch, probe_loss).table())
 
 
+def copies_after_a_shard_write(ctx) -> list:
+    """Four forwards under the probe's copies, a shard written through ``.data`` (its own version counter) before
+    the third: (real all-gathers, output) per forward."""
+    from dptext.privacy.proof.cached_gathers import cached_gathers
+    from dptext.privacy.proof.sharded_probe import sharded_view
+    from dptext.privacy.sharding.fsdp_controls import fsdp_modules
+
+    model = shard(tiny_lm(), ctx)
+    engine = adam_engine(model, "bookkeeping", ctx)
+    passes = []
+    with counted_gathers() as counts, sharded_view(engine, model), cached_gathers(engine):
+        for write in (False, False, True, False):
+            if write:
+                with torch.no_grad():
+                    model.blocks[0].fc.weight.to_local().data.add_(0.5)
+            before = sum(counts.values())
+            with torch.no_grad(), engine.recorder.paused():
+                output = model(token_ids()[:2])
+            for unit in fsdp_modules(model):
+                unit.reshard()
+            passes.append((sum(counts.values()) - before, output))
+    engine.detach()
+    return passes
+
+
 def worker(out: Path) -> None:
     from dptext.finetune.distributed import current, release
 
@@ -92,6 +117,7 @@ def worker(out: Path) -> None:
     ctx.sharded = True
     results = {(mode, keep): probed(mode, ctx, keep) for mode in MODES for keep in (True, False)}
     results["chosen"] = chosen(ctx)
+    results["shard_write"] = copies_after_a_shard_write(ctx)
     results["writing"] = {"adam": writing(ctx, torch.optim.Adam)}
     with without_copies():
         results["writing"]["adam_without_copies"] = writing(ctx, torch.optim.Adam)
@@ -121,6 +147,15 @@ def test_the_budget_is_the_optimizer_state_the_first_step_allocates():
 def test_units_are_copied_while_the_root_and_they_fit_the_budget(two_ranks):
     for rank in two_ranks:
         assert rank["chosen"] == {"adam": ["blocks.0", "blocks.1"], "sgd": [], "momentum": [], "rmsprop": []}
+
+
+def test_a_copy_is_not_used_once_a_shard_changed_even_through_data(two_ranks):
+    for rank in two_ranks:
+        (first, out0), (second, out1), (third, out2), (fourth, out3) = rank["shard_write"]
+        assert (first, second, third, fourth) == (3, 0, 1, 0)  # every unit, none, the written block again, none
+        torch.testing.assert_close(out1, out0, rtol=0, atol=0)
+        assert not torch.equal(out2, out1)  # the write reached the forward, as a fresh all-gather gives it
+        torch.testing.assert_close(out3, out2, rtol=0, atol=0)
 
 
 def gathers(result: dict, shape: int, phase: str) -> int:

@@ -11,9 +11,10 @@ gathered storage freed, its shards registered on its modules), gathered again fo
 weights registered for that pass — so the model sees what training shows it, and anything a pass writes into its
 gathered weights is dropped when FSDP2 gives them back, as in training (a red team built models that told kept
 gathered weights from fresh ones, by a mark written into them, by the type or the storage of the registered
-weights: ``tests/test_fsdp_kept_redteam*.py``). A copy is used only while the unit's shards are what they were
-when it was taken (their version counters, agreed over the ranks: the probe re-draws all-zero gates into the
-shards and puts them back), else FSDP2 gathers.
+weights: ``tests/test_fsdp_kept_redteam*.py``). A copy is used only while every rank's shards hold exactly
+what they held when it was taken (each rank's part of the copy against its shard's data, agreed over the ranks:
+the probe re-draws all-zero gates into the shards and puts them back, and a model could write into a shard), else
+FSDP2 gathers.
 
 The copies cost memory the run holds anyway: the probe runs before the optimizer's first step, and the state that
 step allocates (Adam's two moments: a rank's share is 2/N of the model) bounds the units copied besides the root
@@ -91,10 +92,9 @@ class CachedGather:
     what FSDP2's own does after an all-gather: the gathered storage allocated and filled (version counters kept),
     the gathered parameters initialised and registered on the modules."""
 
-    def __init__(self, group, device: torch.device):
-        self.group, self.device = group, device
-        self.saved: list | None = None  # per FSDP2 parameter, its all-gather outputs as the first gather gave them
-        self.versions: list[int] = []  # its shards' version counters then
+    def __init__(self, group, device: torch.device, rank: int, world_size: int):
+        self.group, self.device, self.rank, self.world_size = group, device, rank, world_size
+        self.saved: list | None = None  # per FSDP2 parameter, its all-gather output as the first gather gave it
         self.pending = False  # an unshard served by the copy, filled at the wait
         self.real_unshard, self.real_wait = group.unshard, group.wait_for_unshard
         group.unshard, group.wait_for_unshard = self.unshard, self.wait_for_unshard
@@ -104,14 +104,23 @@ class CachedGather:
             del self.group.__dict__[name]
         self.saved = None
 
-    def shard_versions(self) -> list[int]:
-        return [param.sharded_param.to_local()._version for param in self.group.fsdp_params]
+    def copyable(self) -> bool:
+        """Whether each parameter's all-gather output is the plain concatenation of the ranks' padded shards
+        (dim-0 sharding, no tensor-subclass extension, no CPU offload): then this rank's part of the copy must
+        equal its shard's data, which ``still_valid`` checks; other layouts are always gathered."""
+        return all(param.fsdp_placement.dim == 0 and len(param.all_gather_outputs) == 1
+                   and not hasattr(param._sharded_local_tensor, "fsdp_pre_all_gather") and not param.offload_to_cpu
+                   for param in self.group.fsdp_params)
 
     def still_valid(self) -> bool:
-        """Whether every rank's shards are as when the copy was taken (one all-reduce: every rank decides alike)."""
-        stale = torch.tensor([float(self.shard_versions() != self.versions)], device=self.device)
-        dist.all_reduce(stale, op=dist.ReduceOp.MAX)
-        return not bool(stale.item())
+        """Whether every rank's shards hold exactly what they held when the copy was taken (this rank's part of the
+        copy against its shard's data, any write included; one all-reduce, so every rank decides alike)."""
+        with torch.no_grad(), torch._C.DisableTorchFunction():  # unseen by the hooked forward's read detector
+            stale = not all(torch.equal(saved[0].view(self.world_size, -1)[self.rank], param._sharded_param_data)
+                            for param, saved in zip(self.group.fsdp_params, self.saved))
+        flag = torch.tensor([float(stale)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not bool(flag.item())
 
     def unshard(self, async_op: bool = False):
         from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -133,10 +142,9 @@ class CachedGather:
         with torch.no_grad(), torch._C.DisableTorchFunction():  # unseen by the hooked forward's read detector
             if not self.pending:
                 self.real_wait(*args, **kwargs)
-                if self.saved is None and group.is_unsharded:  # a real gather: the copy
+                if self.saved is None and group.is_unsharded and self.copyable():  # a real gather: the copy
                     self.saved = [[out.detach().clone() for out in param.all_gather_outputs]
                                   for param in group.fsdp_params]
-                    self.versions = self.shard_versions()
                 return
             self.pending = False
             for param, saved in zip(group.fsdp_params, self.saved):
@@ -159,7 +167,8 @@ def cached_gathers(engine):
     model = engine.model
     units = [unit for unit in fsdp_modules(model) if unit is model]
     units += units_within_budget(model, agreed_budget(engine), view.world_size)
-    caches = [CachedGather(group, engine.params[0].device) for unit in units for group in unit_groups(unit)]
+    caches = [CachedGather(group, engine.params[0].device, view.rank, view.world_size)
+              for unit in units for group in unit_groups(unit)]
     try:
         yield
     finally:
