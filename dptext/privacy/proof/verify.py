@@ -232,12 +232,10 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
             if cut is None and rows is None:
                 return probe_batches(draw(0))
             probe_batches(draw(0)[:1])  # B ≠ T on the whole model: every check, at every depth
+            first_shape = findings(report)
             later = draw(1, rows)
             vocabulary = rows if rows and all(ids_below(batch, rows.rows) for batch, _ in later) else None
             later = later if vocabulary is rows else draw(1)  # a batch with ids beyond the cut: whole vocabulary
-            for batch, _ in later:  # while FSDP2 units the probe keeps are still gathered from the first shape
-                check_whole_forward(engine, report, batch, loss_fn, device)
-            first_shape = findings(report)
             try:  # B = T on the blocks that differ (``proof.stack``) and the first rows of the vocabulary
                 with applied(cut), vocabulary_applied(vocabulary):  # (``proof.vocabulary``)
                     probe_batches(later)
@@ -251,6 +249,8 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
                                     f"({type(error).__name__})")
                 later = draw(1)
                 return probe_batches(later)
+            for batch, _ in later:
+                check_whole_forward(engine, report, batch, loss_fn, device)
 
     def run_or_refuse(precision) -> None:
         try:
