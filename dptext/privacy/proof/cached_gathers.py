@@ -86,14 +86,20 @@ def units_within_budget(model: nn.Module, budget: int, world_size: int) -> list[
     return chosen
 
 
+def own_part(output: torch.Tensor, param) -> torch.Tensor:
+    """This rank's part of a parameter's flat all-gather output (the ranks of its shard group side by side: HSDP's
+    shard group, not the whole world)."""
+    return output.view(param.mesh_info.shard_mesh_size, -1)[param.mesh_info.shard_mesh_rank]
+
+
 class CachedGather:
     """One FSDP2 param group's all-gathers served from a copy of its first (instance attributes over FSDP2's
     ``unshard`` and ``wait_for_unshard``, removed by ``remove``). Where the copy serves, ``wait_for_unshard`` does
     what FSDP2's own does after an all-gather: the gathered storage allocated and filled (version counters kept),
     the gathered parameters initialised and registered on the modules."""
 
-    def __init__(self, group, device: torch.device, rank: int, world_size: int):
-        self.group, self.device, self.rank, self.world_size = group, device, rank, world_size
+    def __init__(self, group, device: torch.device):
+        self.group, self.device = group, device
         self.saved: list | None = None  # per FSDP2 parameter, its all-gather output as the first gather gave it
         self.pending = False  # an unshard served by the copy, filled at the wait
         self.real_unshard, self.real_wait = group.unshard, group.wait_for_unshard
@@ -116,7 +122,7 @@ class CachedGather:
         """Whether every rank's shards hold exactly what they held when the copy was taken (this rank's part of the
         copy against its shard's data, any write included; one all-reduce, so every rank decides alike)."""
         with torch.no_grad(), torch._C.DisableTorchFunction():  # unseen by the hooked forward's read detector
-            stale = not all(torch.equal(saved[0].view(self.world_size, -1)[self.rank], param._sharded_param_data)
+            stale = not all(torch.equal(own_part(saved[0], param), param._sharded_param_data)
                             for param, saved in zip(self.group.fsdp_params, self.saved))
         flag = torch.tensor([float(stale)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -167,8 +173,7 @@ def cached_gathers(engine):
     model = engine.model
     units = [unit for unit in fsdp_modules(model) if unit is model]
     units += units_within_budget(model, agreed_budget(engine), view.world_size)
-    caches = [CachedGather(group, engine.params[0].device, view.rank, view.world_size)
-              for unit in units for group in unit_groups(unit)]
+    caches = [CachedGather(group, engine.params[0].device) for unit in units for group in unit_groups(unit)]
     try:
         yield
     finally:
