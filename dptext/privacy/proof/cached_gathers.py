@@ -92,6 +92,15 @@ def own_part(output: torch.Tensor, param) -> torch.Tensor:
     return output.view(param.mesh_info.shard_mesh_size, -1)[param.mesh_info.shard_mesh_rank]
 
 
+BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bit patterns (compared bit for bit: a value comparison takes -0.0 for 0.0, and a red team's model
+    wrote that sign flip into a shard to tell a copy from a fresh all-gather)."""
+    return tensor.view(BITS[tensor.element_size()])
+
+
 class CachedGather:
     """One FSDP2 param group's all-gathers served from a copy of its first (instance attributes over FSDP2's
     ``unshard`` and ``wait_for_unshard``, removed by ``remove``). Where the copy serves, ``wait_for_unshard`` does
@@ -122,7 +131,7 @@ class CachedGather:
         """Whether every rank's shards hold exactly what they held when the copy was taken (this rank's part of the
         copy against its shard's data, any write included; one all-reduce, so every rank decides alike)."""
         with torch.no_grad(), torch._C.DisableTorchFunction():  # unseen by the hooked forward's read detector
-            stale = not all(torch.equal(own_part(saved[0], param), param._sharded_param_data)
+            stale = not all(torch.equal(bits(own_part(saved[0], param)), bits(param._sharded_param_data))
                             for param, saved in zip(self.group.fsdp_params, self.saved))
         flag = torch.tensor([float(stale)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -134,9 +143,10 @@ class CachedGather:
         group = self.group
         if self.pending:
             return None
-        if group._all_gather_result is not None or group.is_unsharded or (
+        if group._all_gather_result is not None or not group.is_sharded or (
                 not group.unshard_in_backward and group._training_state == TrainingState.PRE_BACKWARD):
-            return self.real_unshard(async_op)  # FSDP2's own no-ops
+            return self.real_unshard(async_op)  # FSDP2's own no-ops, and a unit resharded after its forward to a
+            # smaller mesh (``reshard_after_forward=<int>``), whose next gather keeps what its forward wrote
         if self.saved is not None and self.still_valid():
             self.pending = True
             return None
