@@ -110,6 +110,24 @@ def copies_after_a_shard_write(ctx) -> list:
     return passes
 
 
+def smaller_mesh_after_forward(ctx, copies: bool) -> dict:
+    """The blocks resharded after their forward to a mesh of one rank (``reshard_after_forward=1``: FSDP2 keeps a
+    whole copy of each block's weights between its forward and backward): the probe's report and the Adam step after
+    it, with copies or without."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = tiny_lm()
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=1, mp_policy=MixedPrecisionPolicy())
+    fully_shard(model, mp_policy=MixedPrecisionPolicy())
+    engine = adam_engine(model, "bookkeeping", ctx)
+    with contextlib.nullcontext() if copies else without_copies():
+        table = engine.verify(make_batch, probe_loss).table()
+    step = adam_moves(model, engine, token_ids()[ctx.shard(N)])
+    engine.detach()
+    return {"table": table, "step": step}
+
+
 def worker(out: Path) -> None:
     from dptext.finetune.distributed import current, release
 
@@ -118,6 +136,7 @@ def worker(out: Path) -> None:
     results = {(mode, keep): probed(mode, ctx, keep) for mode in MODES for keep in (True, False)}
     results["chosen"] = chosen(ctx)
     results["shard_write"] = copies_after_a_shard_write(ctx)
+    results["smaller_mesh"] = {copies: smaller_mesh_after_forward(ctx, copies) for copies in (True, False)}
     results["writing"] = {"adam": writing(ctx, torch.optim.Adam)}
     with without_copies():
         results["writing"]["adam_without_copies"] = writing(ctx, torch.optim.Adam)
@@ -156,6 +175,16 @@ def test_a_copy_is_not_used_once_a_shard_changed_even_through_data(two_ranks):
         torch.testing.assert_close(out1, out0, rtol=0, atol=0)
         assert not torch.equal(out2, out1)  # the write reached the forward, as a fresh all-gather gives it
         torch.testing.assert_close(out3, out2, rtol=0, atol=0)
+
+
+def test_blocks_resharded_to_a_smaller_mesh_after_their_forward_are_proven_as_without_copies(two_ranks):
+    # a unit resharded after its forward to a smaller mesh gathers its backward's weights from that reshard (which
+    # keeps what its forward wrote): the copies serve only gathers from the fully sharded state
+    for rank in two_ranks:
+        got, before = rank["smaller_mesh"][True], rank["smaller_mesh"][False]
+        assert got["table"] == before["table"] and {row["status"] for row in got["table"]} == {"exact"}
+        for name, move in before["step"].items():
+            torch.testing.assert_close(got["step"][name], move, rtol=0, atol=0)
 
 
 def gathers(result: dict, shape: int, phase: str) -> int:
