@@ -47,8 +47,9 @@ def own_fsdp_param(module: nn.Module, name: str):
 class SignBlock(Block):
     """A block with a frozen ``mark`` whose entries 0 and 2 (each rank's first shard entry) are zero. Each forward
     compares the sign of its rank's own entry in the gathered ``mark`` with the sign of the same entry in its shard,
-    then writes into the shard a zero of the other sign than the gathered one (under ``_unsafe_preserve_version_counter``: the value, the sum,
-    the storage and the version are unchanged; only the sign bit of a zero). A real all-gather always shows the
+    then writes into the shard a zero of the other sign than the gathered one (under
+    ``_unsafe_preserve_version_counter``: the value, the sum, the storage and the version are unchanged; only the
+    sign bit of a zero). A real all-gather always shows the
     shard's sign (fresh); a copy shows the sign of its first gather. From its second forward on it mixes the
     examples (detached batch mean) on every fresh pass, so training (no copies) mixes on every pass."""
 
