@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fsdp_models import N, losses, shard, tiny_lm, token_ids
+from fsdp_models import N, shard, tiny_lm, token_ids
 from test_fsdp_probe import make_batch, probe_loss
-from test_fsdp_probe_gathers import counted_gathers, without_copies, settings
-from test_fsdp_redteam import outcome
+from test_fsdp_probe_gathers import counted_gathers, probed, without_copies
+from test_fsdp_redteam import moves, outcome
 from two_ranks import run_two_ranks
 
 TIMEOUT = 240
@@ -45,25 +45,6 @@ def adam_engine(model, mode, ctx, optimizer=torch.optim.Adam):
 
     return PrivacyEngine(model, optimizer(model.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=0.5,
                          expected_batch_size=4, dataset_size=12, clipping_mode=mode, distributed=ctx, verify=False)
-
-
-def adam_moves(model, engine, ids) -> dict:
-    before = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-    engine.accumulate(losses(model, ids))
-    engine.step()
-    return {name: p.full_tensor().detach() - before[name] for name, p in model.named_parameters()}
-
-
-def probed(mode: str, ctx, keep: bool) -> dict:
-    model = shard(tiny_lm(), ctx)
-    engine = adam_engine(model, mode, ctx)
-    with (contextlib.nullcontext() if keep else without_copies()), counted_gathers() as counts:
-        table = engine.verify(make_batch, probe_loss).table()
-    resharded = all(hasattr(param, "to_local") for param in model.parameters())
-    after = [(flag, info is None) for flag, info in settings(model)]
-    step = adam_moves(model, engine, token_ids()[ctx.shard(N)])
-    engine.detach()
-    return {"table": table, "gathers": dict(counts), "resharded": resharded, "settings": after, "step": step}
 
 
 def chosen(ctx) -> dict:
@@ -123,7 +104,7 @@ def smaller_mesh_after_forward(ctx, copies: bool) -> dict:
     engine = adam_engine(model, "bookkeeping", ctx)
     with contextlib.nullcontext() if copies else without_copies():
         table = engine.verify(make_batch, probe_loss).table()
-    step = adam_moves(model, engine, token_ids()[ctx.shard(N)])
+    step = moves(model, engine, token_ids()[ctx.shard(N)])
     engine.detach()
     return {"table": table, "step": step}
 
@@ -133,7 +114,7 @@ def worker(out: Path) -> None:
 
     ctx = current("cpu")
     ctx.sharded = True
-    results = {(mode, keep): probed(mode, ctx, keep) for mode in MODES for keep in (True, False)}
+    results = {(mode, keep): probed(mode, ctx, keep, adam_engine) for mode in MODES for keep in (True, False)}
     results["chosen"] = chosen(ctx)
     results["shard_write"] = copies_after_a_shard_write(ctx)
     results["smaller_mesh"] = {copies: smaller_mesh_after_forward(ctx, copies) for copies in (True, False)}

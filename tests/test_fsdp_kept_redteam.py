@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from fsdp_models import N, VOCAB, WIDTH, TinyLM, losses, shard, token_ids
-from two_ranks import free_port
+from fsdp_models import VOCAB, WIDTH, TinyLM, losses, shard, token_ids
+from two_ranks import run_two_ranks
 
 TIMEOUT = 300
 HERE = Path(__file__).resolve().parent.parent
@@ -209,30 +209,14 @@ def worker(out: Path) -> None:
     release()
 
 
-def launch(root: Path, out: Path, cases: list[str], timeout: float | None = None) -> list:
-    """This file as 2 gloo ranks, importing dptext from ``root``."""
-    import subprocess
-
-    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "KEPT_CASES": ",".join(cases),
-           "PYTHONPATH": f"{root}{os.pathsep}{Path(__file__).resolve().parent}"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=timeout or TIMEOUT)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def launch(out: Path, cases: list[str], timeout: float | None = None) -> list:
+    """This file as 2 gloo ranks, running ``cases``."""
+    return run_two_ranks(__file__, out, timeout or TIMEOUT, env={"KEPT_CASES": ",".join(cases)})
 
 
 @pytest.fixture(scope="module")
 def here(tmp_path_factory):
-    return launch(HERE, tmp_path_factory.mktemp("kept"), list(CASES))
+    return launch(tmp_path_factory.mktemp("kept"), list(CASES))
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +224,7 @@ def two_optimizers(tmp_path_factory):
     import subprocess
 
     try:
-        return launch(HERE, tmp_path_factory.mktemp("mixed"), list(MIXED), HANG_AFTER)
+        return launch(tmp_path_factory.mktemp("mixed"), list(MIXED), HANG_AFTER)
     except subprocess.TimeoutExpired:
         return "hang"
     except AssertionError as error:  # a rank died: FSDP2's collectives paired up wrongly (gloo's size mismatch)

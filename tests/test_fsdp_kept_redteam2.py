@@ -22,10 +22,9 @@ import torch
 from torch import nn
 from fsdp_models import N, VOCAB, WIDTH, Block, TinyLM, losses, shard, token_ids
 from test_fsdp_probe_gathers import without_copies
-from two_ranks import free_port
+from two_ranks import run_two_ranks
 
 TIMEOUT = 300
-HERE = Path(__file__).resolve().parent.parent
 C = 0.5
 
 
@@ -287,35 +286,19 @@ def worker(out: Path) -> None:
     release()
 
 
-def launch(root: Path, out: Path, cases: list[str], timeout: float | None = None) -> list:
-    """This file as 2 gloo ranks, importing dptext from ``root``."""
-    import subprocess
-
-    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "KEPT_CASES": ",".join(cases),
-           "PYTHONPATH": f"{root}{os.pathsep}{Path(__file__).resolve().parent}"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=timeout or TIMEOUT)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def launch(out: Path, cases: list[str], timeout: float | None = None) -> list:
+    """This file as 2 gloo ranks, running ``cases``."""
+    return run_two_ranks(__file__, out, timeout or TIMEOUT, env={"KEPT_CASES": ",".join(cases)})
 
 
 @pytest.fixture(scope="module")
 def attacks(tmp_path_factory):
-    return launch(HERE, tmp_path_factory.mktemp("attacks"), list(VERDICTS) + [f"leak_{k}" for k in LEAKS])
+    return launch(tmp_path_factory.mktemp("attacks"), list(VERDICTS) + [f"leak_{k}" for k in LEAKS])
 
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
-    return launch(HERE, tmp_path_factory.mktemp("training"), list(TRAINED))
+    return launch(tmp_path_factory.mktemp("training"), list(TRAINED))
 
 
 def test_the_attack_models_leak_in_training(attacks):

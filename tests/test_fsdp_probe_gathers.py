@@ -94,9 +94,10 @@ def settings(model) -> list:
     return [(group.reshard_after_backward, group.post_forward_mesh_info) for _, group in param_groups(model)]
 
 
-def probed(mode: str, ctx, keep: bool) -> dict:
+def probed(mode: str, ctx, keep: bool, make_engine=engine_for) -> dict:
+    """The probe with copies (``keep``) or without: its report and gathers, FSDP2's state after it, the step."""
     model = shard(tiny_lm(), ctx)
-    engine = engine_for(model, mode, ctx)
+    engine = make_engine(model, mode, ctx)
     with (contextlib.nullcontext() if keep else without_copies()), counted_gathers() as counts:
         table = engine.verify(make_batch, probe_loss).table()
     resharded = all(hasattr(param, "to_local") for param in model.parameters())

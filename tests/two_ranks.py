@@ -57,11 +57,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_two_ranks(script: str, out: Path, timeout: float, ranks: int = 2) -> list:
+def run_two_ranks(script: str, out: Path, timeout: float, ranks: int = 2, env: dict | None = None) -> list:
     """Run ``script`` as ranks 0 and 1 (or ``ranks`` of them; a hang fails instead of blocking CI); each saves
-    ``out/rank{r}.pt``."""
+    ``out/rank{r}.pt``. ``env``: more environment variables for every rank."""
     env = {**os.environ, "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [subprocess.Popen([sys.executable, script, str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(ranks)]
     logs = []
