@@ -109,7 +109,7 @@ class CachedGather:
 
     def __init__(self, group, device: torch.device):
         self.group, self.device = group, device
-        self.saved: list | None = None  # per FSDP2 parameter, its all-gather output as the first gather gave it
+        self.saved: list | None = None  # per FSDP2 parameter, its (one) all-gather output as the first gave it
         self.pending = False  # an unshard served by the copy, filled at the wait
         self.real_unshard, self.real_wait = group.unshard, group.wait_for_unshard
         group.unshard, group.wait_for_unshard = self.unshard, self.wait_for_unshard
@@ -131,7 +131,7 @@ class CachedGather:
         """Whether every rank's shards hold exactly what they held when the copy was taken (this rank's part of the
         copy against its shard's data, any write included; one all-reduce, so every rank decides alike)."""
         with torch.no_grad(), torch._C.DisableTorchFunction():  # unseen by the hooked forward's read detector
-            stale = not all(torch.equal(bits(own_part(saved[0], param)), bits(param._sharded_param_data))
+            stale = not all(torch.equal(bits(own_part(saved, param)), bits(param._sharded_param_data))
                             for param, saved in zip(self.group.fsdp_params, self.saved))
         flag = torch.tensor([float(stale)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -159,15 +159,13 @@ class CachedGather:
             if not self.pending:
                 self.real_wait(*args, **kwargs)
                 if self.saved is None and group.is_unsharded and self.copyable():  # a real gather: the copy
-                    self.saved = [[out.detach().clone() for out in param.all_gather_outputs]
-                                  for param in group.fsdp_params]
+                    self.saved = [param.all_gather_outputs[0].detach().clone() for param in group.fsdp_params]
                 return
             self.pending = False
             for param, saved in zip(group.fsdp_params, self.saved):
                 param.alloc_all_gather_outputs()
                 with torch.autograd._unsafe_preserve_version_counter(tuple(param.all_gather_outputs)):
-                    for out, copy in zip(param.all_gather_outputs, saved):
-                        out.copy_(copy)
+                    param.all_gather_outputs[0].copy_(saved)
                 param.init_unsharded_param()
             group._to_unsharded()
 
