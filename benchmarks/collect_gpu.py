@@ -6,7 +6,9 @@
 
 Several OUTDIRs are merged in order, a later run's parts replacing the earlier ones': the exactness cells whole,
 each bench-memory (T, B) whole, the scale step whole, so that every table still compares numbers of one run on one
-device; ``parts`` names each part's commit and device.
+device; ``parts`` names each part's commit and device. Scale rows of a later run at the same commit on the same
+device are added to the earlier ones instead (more layer counts), and so are those of a folder that holds only a
+max_model.json (``max_model.py --layers ...`` run by hand on the same machine right after the check).
 
 OUTDIR holds meta.json, exactness.json, bench.json and max_model.json (the last from the log's rows when the
 scale step was cut off before writing it). The result names the device and the commit, and keeps every exactness
@@ -30,10 +32,9 @@ sys.path.insert(0, str(REPO))
 
 from dptext.runs import atomic_write_json  # noqa: E402  (runs from a checkout without installing)
 
+from gpu_tables import markdown  # noqa: E402  (its neighbour in benchmarks/, not a package)
+
 RESULT = REPO / "benchmarks" / "results" / "bench_gpu.json"
-MODE_NAMES = {"nonprivate": "non-private", "bookkeeping": "dptext book-keeping", "ghost": "dptext ghost",
-              "per_sample": "dptext per-sample", "opacus": "opacus 1.6 ghost", "opacus_untied": "opacus 1.6 ghost "
-              "(untied copy)"}
 
 
 def read(path: Path) -> dict | None:
@@ -98,6 +99,8 @@ def with_opacus_ratios(report: dict) -> dict:
 
 
 def collect(out_dir: Path) -> dict:
+    if not (out_dir / "meta.json").exists():  # more scale rows of the run before it (module docstring)
+        return {"scale_only": True, "scale": read(out_dir / "max_model.json")}
     meta = json.loads((out_dir / "meta.json").read_text())
     exactness = read(out_dir / "exactness.json")
     scale = read(out_dir / "max_model.json") or scale_from_log(out_dir / "log.txt")
@@ -136,10 +139,23 @@ def bench_key(report: dict) -> str:
     return f"bench-T{report['setup']['seq_len']}-B{report['setup']['batch_size']}"
 
 
+def with_rows(scale: dict, more: dict) -> dict:
+    """``scale`` with ``more``'s rows added (a (mode, layers) measured again: the later row) and its largest redone."""
+    rows = {(row["mode"], row["layers"]): row for row in scale["rows"] + more["rows"]}
+    largest = {}
+    for (mode, layers), row in sorted(rows.items(), key=lambda item: item[0][1]):
+        if row.get("fits"):
+            largest[mode] = {"layers": layers, "parameters": row["parameters"]}
+    return dict(scale, rows=list(rows.values()), largest=largest)
+
+
 def merged(results: list[dict]) -> dict:
     """``results`` (oldest first) as one: each part from the newest run that has it (module docstring)."""
     result, parts = dict(results[0], bench=[]), {}
     for run in results:
+        if run.get("scale_only"):
+            result["scale"] = with_rows(result["scale"], run["scale"])
+            continue
         stamp = {"commit": run["commit"], "device": run["device"], "torch": run["torch"]}
         if run["exactness"]["cells"]:
             result["exactness"], parts["exactness"] = run["exactness"], stamp
@@ -147,118 +163,19 @@ def merged(results: list[dict]) -> dict:
             result["bench"] = [r for r in result["bench"] if bench_key(r) != bench_key(report)] + [report]
             parts[bench_key(report)] = stamp
         if run["scale"] is not None:
-            result["scale"], parts["scale"] = run["scale"], stamp
+            same = parts.get("scale", {}).get("commit") == run["commit"] and parts["scale"]["device"] == run["device"]
+            result["scale"] = with_rows(result["scale"], run["scale"]) if same else run["scale"]
+            parts["scale"] = stamp
         for part in ("profile", "finetune"):
             if run.get(part) is not None:
                 result[part], parts[part] = run[part], stamp
         result["steps"] = {**result["steps"], **run["steps"]}
-    newest = results[-1]
+    newest = [run for run in results if not run.get("scale_only")][-1]
     result.update(commit=newest["commit"], device=newest["device"], torch=newest["torch"], cuda=newest.get("cuda"),
-                  rehearsal=any(run["rehearsal"] for run in results), tiny=any(run["tiny"] for run in results))
+                  rehearsal=any(run.get("rehearsal") for run in results), tiny=any(run.get("tiny") for run in results))
     if len(results) > 1:
         result["parts"] = parts
     return result
-
-
-def cell(value, digits: int = 2) -> str:
-    if value is None:
-        return "—"
-    return f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
-
-
-def table(header: list[str], rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(cell(value) if not isinstance(value, str) else value for value in row) + " |"
-              for row in rows)]
-
-
-def bench_lines(result: dict) -> list[str]:
-    lines = []
-    for report in result["bench"]:
-        setup = report["setup"]
-        rows = []
-        for row in report["results"]:
-            ok = row["status"] == "ok"
-            rows.append([MODE_NAMES.get(row["mode"], row["mode"]), cell(row.get("step_s"), 3) if ok else row["status"],
-                         row.get("time_ratio"), row.get("opacus_time_ratio"), cell(row.get("peak_mb"), 0),
-                         row.get("memory_ratio"), row.get("opacus_memory_ratio"), row.get("max_batch")])
-        reference = next((r.get("opacus_reference") for r in report["results"] if r.get("opacus_reference")), None)
-        opacus = {"opacus": "opacus", "opacus_untied": "opacus (untied copy)"}.get(reference, "opacus")
-        lines += [f"**{setup['model']}, T = {setup['seq_len']}, B = {setup['batch_size']}, {setup['precision']}** "
-                  f"({setup['machine']}; median of {setup['steps'] * setup['rounds']} steps)", "",
-                  *table(["mode", "step s", "time × non-private", f"time × {opacus}", "peak MiB",
-                          "memory × non-private", f"memory × {opacus}", "largest batch"], rows), ""]
-    return lines
-
-
-def scale_lines(scale: dict | None) -> list[str]:
-    if scale is None:
-        return ["Largest model: not measured (no max_model.json and no rows in the log).", ""]
-    rows = []
-    for mode, largest in scale["largest"].items():
-        row = next((r for r in scale["rows"] if r["mode"] == mode and r["layers"] == largest["layers"]), {})
-        probe = f"{row['probe_seconds']:.1f} s = {row['probe_steps']:.1f} steps" if "probe_seconds" in row else "—"
-        rows.append([mode, largest["layers"], largest["parameters"], row.get("step_seconds"),
-                     row.get("peak_bytes") and row["peak_bytes"] / 2**30, probe])
-    tried = [r for r in scale["rows"] if r.get("fits") is False]
-    note = "; ".join(f"{r['mode']} at {r['layers']} layers: {r.get('why', 'does not fit')}" for r in tried)
-    return ["**Largest model** (" + scale.get("what", "benchmarks/max_model.py") +
-            (", rows from the log: the step was cut off" if scale.get("from_log") else "") + ")", "",
-            *table(["mode", "layers", "parameters", "step s", "peak GiB", "start-up proof"], rows),
-            *(["", f"Not fitting: {note}."] if note else []), ""]
-
-
-def profile_lines(profile: dict | None) -> list[str]:
-    if profile is None:
-        return []
-    base = profile["rows"][0]["wall_s"]
-    rows = [[row["mode"], cell(row["wall_s"], 4), row["wall_s"] / base, cell(row.get("device_s"), 4),
-             cell(row.get("device_share")), cell(row.get("kernels_per_step"), 0), cell(row.get("syncs_per_step"), 0),
-             (row.get("top_device") or row["top_cpu"])[0]["op"][:60]] for row in profile["rows"]]
-    return [f"**Where the step's time goes** ({profile['machine']}, {profile['model']}, T = {profile['seq_len']}, "
-            f"B = {profile['batch_size']}, {profile['precision']}; torch.profiler over {profile['steps']} steps)", "",
-            *table(["mode", "wall s", "× first", "device s", "device busy", "kernels", "syncs", "top op"], rows), ""]
-
-
-def finetune_lines(run: dict | None) -> list[str]:
-    if run is None:
-        return []
-    metrics = ", ".join(f"{name} {value:.4g}" for name, value in run["metrics"].items())
-    return [f"**dptext finetune end to end**: {run['model']} ({run['task']}), {run['steps']} DP steps of expected "
-            f"batch {run['expected_batch_size']:g} from {run['dataset_size']} records, {run['clipping_mode']}, "
-            f"micro-batch {run['physical_batch_size']} (left to dptext), ε = {run['epsilon']:.2f} at "
-            f"δ = {run['delta']:.2g}; {metrics} (random weights: the run is checked, not its score).", ""]
-
-
-def error(value: float | None, tolerance: float) -> str:
-    return f"{'—' if value is None else f'{value:.1e}'} (≤ {tolerance:g})"
-
-
-def exactness_lines(summary: dict) -> list[str]:
-    rows = [[g["precision"], g["mode"], g["exact"], g["refused"], g["FAILED"],
-             *(error(g["worst"][what], g["tolerance"][what]) for what in ("norms", "sum", "layer")),
-             cell(g["worst_sensitivity_c"], 4)] for g in summary["by"]]
-    planned = f" of {summary['planned']} planned" if summary.get("planned") else ""
-    return [f"**Exactness** against fp64 brute force: {summary['cells']} cells{planned}: {summary['exact']} exact, "
-            f"{summary['refused']} refused, {summary['FAILED']} FAILED (the engine's start-up proof ran in "
-            f"{summary.get('proof_ran', 0)})", "",
-            *table(["precision", "mode", "exact", "refused", "FAILED", "worst norm error", "worst sum error",
-                    "worst layer error", "worst move / C"], rows), ""]
-
-
-def markdown(result: dict) -> str:
-    head = (f"GPU check on **{result['device']}** at {result['commit']} (torch {result['torch']}"
-            + (f", CUDA {result['cuda']}" if result.get("cuda") else "") + ")"
-            + (" — a rehearsal, not a GPU result" if result["rehearsal"] else ""))
-    steps = ", ".join(f"{name} {entry['seconds']:.0f} s ({entry['status']})" for name, entry in result["steps"].items())
-    weights = [f"SmolLM2 weights: {result['smollm2_weights']}.", ""] if result.get("smollm2_weights") else []
-    parts = "; ".join(f"{name}: {stamp['device']} at {stamp['commit'][:7]}"
-                      for name, stamp in result.get("parts", {}).items())
-    merged_note = [f"Merged runs, each part from one: {parts}.", ""] if parts else []
-    return "\n".join([head, "", f"Steps: {steps}.", "", *merged_note, *weights, *bench_lines(result),
-                      *scale_lines(result["scale"]), *profile_lines(result.get("profile")),
-                      *finetune_lines(result.get("finetune")),
-                      *exactness_lines(result["exactness"]["summary"])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(several: merged in order, later parts replacing earlier ones)")
     parser.add_argument("--out", type=Path, default=RESULT, help=f"where to write (default {RESULT})")
     args = parser.parse_args(argv)
-    for out_dir in args.out_dirs:
-        if not (out_dir / "meta.json").exists():
+    for index, out_dir in enumerate(args.out_dirs):
+        if not (out_dir / "meta.json").exists() and not (index and (out_dir / "max_model.json").exists()):
             print(f"{out_dir} holds no meta.json, so it is not a GPU check's output; pass the $OUT folder of "
                   "benchmarks/device/gpu_check.sh.", file=sys.stderr)
             return 2

@@ -187,6 +187,9 @@ def rss_of(pid: int) -> int:
 
 def trial(mode: str, layers: int, args) -> dict:
     """Run one (mode, L) in a child process; kill it above the cap (CPU)."""
+    if mode.endswith("fsdp2") and args.device == "cuda" and gpus() < RANKS:
+        return {"mode": mode, "layers": layers, "fits": None,
+                "why": f"not run: FSDP2 takes one GPU per rank ({RANKS} ranks) and this machine has {gpus()}"}
     command = [sys.executable, __file__, "--child", mode, "--layers", str(layers), "--device", args.device]
     if mode.endswith("fsdp2"):
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS)]
@@ -211,8 +214,21 @@ def trial(mode: str, layers: int, args) -> dict:
             # the sampler looks every 50 ms; the kernel's high-water mark is exact and has the last word
             row.update(fits=False, why="peak above the memory cap (between two samples)")
         return row
-    why = "killed above the memory cap" if killed else (stderr.strip().splitlines() or ["no output"])[-1][:300]
+    why = "killed above the memory cap" if killed else failure(stderr)
     return {"mode": mode, "layers": layers, "fits": False, "why": why, "wall_seconds": wall}
+
+
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def failure(stderr: str) -> str:
+    """The line that says why a child failed: its last error line (torchrun ends with a '====' banner)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip().strip("=")]
+    errors = [line for line in lines if "Error" in line or "error:" in line]
+    return ((errors or lines or ["no output"])[-1])[:300]
 
 
 def machine(device: str) -> str:
@@ -241,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         if row:
             print(json.dumps(row), flush=True)
         return {}
-    default_layers = "1,2" if args.tiny else ("22,44,66,88,110" if args.device == "cuda" else "4,8,11,16,22")
+    default_layers = "1,2" if args.tiny else ("22,66,110,154,198" if args.device == "cuda" else "4,8,11,16,22")
     layer_counts = sorted(int(n) for n in (args.layers or default_layers).split(","))
     start, rows, largest = time.perf_counter(), [], {}
     fitting = args.modes.split(",")

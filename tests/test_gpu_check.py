@@ -140,6 +140,27 @@ def test_a_later_partial_run_replaces_only_the_parts_it_ran(tmp_path, capsys):
     assert "Merged runs, each part from one: exactness: NVIDIA H100 80GB HBM3 at abc1234" in capsys.readouterr().out
 
 
+def test_scale_rows_of_one_commit_and_device_are_added_together(tmp_path, capsys):
+    # the second GPU run: the check's scale step reached 66 layers, two more calls on the same machine ran 120-165
+    # (max_model.py --layers ..., a folder with only its max_model.json); one table of every size measured
+    first = fake_out(tmp_path / "first", device="cuda")
+    later = fake_out(tmp_path / "later", device="cuda")
+    more = tmp_path / "more"
+    more.mkdir()
+    big = {"mode": "dp", "layers": 8, "parameters": 4000, "fits": True, "peak_bytes": 2**31, "step_seconds": 1.0,
+           "probe_seconds": 3.0, "probe_steps": 3.0}
+    (more / "max_model.json").write_text(json.dumps({"rows": [big, {"mode": "nonprivate", "layers": 8,
+                                                                    "fits": False, "why": "=" * 60}]}))
+    assert collect_gpu.main([str(first), str(later), str(more), "--out", str(tmp_path / "bench_gpu.json")]) == 0
+    result = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert [(row["mode"], row["layers"]) for row in result["scale"]["rows"]] == [("dp", 2), ("dp", 8),
+                                                                                  ("nonprivate", 8)]
+    assert result["scale"]["largest"] == {"dp": {"layers": 8, "parameters": 4000}}
+    assert result["commit"] == "abc1234" and not result["rehearsal"]
+    assert "its ranks failed to start" in capsys.readouterr().out  # not torchrun's banner
+    assert collect_gpu.main([str(more), "--out", str(tmp_path / "x.json")]) == 2  # alone: not a check's $OUT
+
+
 def test_the_opt_in_finetune_run_is_collected_with_its_epsilon_and_micro_batch(tmp_path, capsys):
     out = fake_out(tmp_path / "out", device="cuda")
     (out / "finetune").mkdir()

@@ -76,3 +76,20 @@ def test_the_memory_watch_counts_every_descendant(tmp_path):
         for pid in [child.pid]:
             subprocess.run(["pkill", "-P", str(pid)])
         child.kill()
+
+
+def test_fsdp2_is_not_started_on_fewer_gpus_than_ranks(monkeypatch):
+    # the second GPU run (one H200): both ranks started on the one GPU and failed, and the row's reason was
+    # torchrun's '====' banner; now such a trial is not run and says why
+    monkeypatch.setattr(max_model, "gpus", lambda: 1)
+    monkeypatch.setattr(max_model.subprocess, "Popen", lambda *a, **k: pytest.fail("a trial was started"))
+    args = max_model.argparse.Namespace(device="cuda", tiny=True, cap_gb=20.0)
+    row = max_model.trial("dp-fsdp2", 22, args)
+    assert row["fits"] is None and "one GPU per rank" in row["why"] and "has 1" in row["why"]
+
+
+def test_a_failed_childs_reason_is_its_last_error_line_not_torchruns_banner():
+    stderr = ("Traceback (most recent call last):\n  File \"x.py\", line 1\ntorch.OutOfMemoryError: CUDA out of memory"
+              "\n[rank1]: more\n============================================================\n")
+    assert max_model.failure(stderr) == "torch.OutOfMemoryError: CUDA out of memory"
+    assert max_model.failure("=====\n\n") == "no output"
