@@ -4,7 +4,7 @@
 
 The runs are the jobs of benchmarks/jobs_correlated.txt (``mf-RECIPE-MECHANISM``), all from one commit. Each row is
 written only from a finished run (result.json); a row whose run folder is gone keeps its committed value, and a row
-not yet run prints as "running", never as a number. ε is the one each run's own accountant proved for it: DP-SGD's
+not yet finished prints as "not run yet", never as a number. ε is the one each run's own accountant proved for it: DP-SGD's
 Poisson-sampled Gaussian (amplification by sampling), the correlated mechanisms' single Gaussian mechanism scaled by
 the strategy's sensitivity over cyclic participations (no amplification claimed), so the rows share the target ε,
 δ, steps and expected batch, and each says how its ε was reached.
@@ -78,14 +78,14 @@ def collect(runs: Path, results: Path = RESULTS) -> dict[str, dict[str, dict]]:
 
 
 def table(data: dict[str, dict[str, dict]]) -> str:
-    """The markdown table: one line per recipe and mechanism, "running" where no run has finished."""
+    """The markdown table: one line per recipe and mechanism, "not run yet" where no run has finished."""
     lines = ["| recipe | mechanism | metric | ε (δ) | σ | steps × batch | train hours |",
              "|---|---|---|---|---|---|---|"]
     for recipe, metrics in RECIPES.items():
         for mechanism in MECHANISMS:
             entry = data.get(recipe, {}).get(mechanism)
             if entry is None:
-                lines.append(f"| {recipe} | {LABELS[mechanism]} | running | | | | |")
+                lines.append(f"| {recipe} | {LABELS[mechanism]} | not run yet | | | | |")
                 continue
             shown = ", ".join(f"{name} {entry[name]:.2f}" for name in metrics)
             lines.append(f"| {recipe} | {LABELS[mechanism]} | {shown} | {entry['epsilon']:.2f} "
