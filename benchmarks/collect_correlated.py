@@ -4,10 +4,10 @@
 
 The runs are the jobs of benchmarks/jobs_correlated.txt (``mf-RECIPE-MECHANISM``), all from one commit. Each row is
 written only from a finished run (result.json); a row whose run folder is gone keeps its committed value, and a row
-not yet finished prints as "not run yet", never as a number. ε is the one each run's own accountant proved for it: DP-SGD's
-Poisson-sampled Gaussian (amplification by sampling), the correlated mechanisms' single Gaussian mechanism scaled by
-the strategy's sensitivity over cyclic participations (no amplification claimed), so the rows share the target ε,
-δ, steps and expected batch, and each says how its ε was reached.
+not yet finished prints as "not run yet", never as a number. ε is the one each run's own accountant proved for it:
+DP-SGD's Poisson-sampled Gaussian (amplification by sampling), the correlated mechanisms' single Gaussian mechanism
+scaled by the strategy's sensitivity over cyclic participations (no amplification claimed), so the rows share the
+target ε, δ, steps and expected batch, and each says how its ε was reached.
 """
 
 from __future__ import annotations
