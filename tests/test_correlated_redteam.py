@@ -1,0 +1,55 @@
+"""Red-team checks of the correlated-noise engines (banded MF, BLT) and their tooling: each test passes on a correct
+engine and failed on the code it was written against (branch redteam-mf)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dptext.accounting.blt import BLT
+from dptext.errors import UserError
+from dptext.privacy.blt_engine import BLTEngine
+from dptext.privacy.mf_engine import BandedMFEngine
+
+CLIP = 1.0
+
+
+def _engine(mechanism: str, model: nn.Module, dataset_size: int = 2):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    common = dict(noise_multiplier=0.0, max_grad_norm=CLIP, dataset_size=dataset_size, steps=1, bins=1, seed=3,
+                  verify=False)
+    if mechanism == "banded_mf":
+        return BandedMFEngine(model, optimizer, coefficients=[1.0], **common)
+    return BLTEngine(model, optimizer, blt=BLT(1.0, (0.0,), (0.0,)), **common)
+
+
+def _clipped_sum(mechanism: str, inputs: torch.Tensor, units) -> torch.Tensor | None:
+    """The clipped sum of a one-weight model's examples (loss_i = w·x_i, so example i's gradient is x_i), or None
+    when the engine refuses the ``units``."""
+    model = nn.Linear(inputs.shape[1], 1, bias=False)
+    engine = _engine(mechanism, model, dataset_size=2)
+    loss = model(inputs).reshape(-1)
+    try:
+        engine.accumulate(loss, units=units)
+    except UserError:
+        return None
+    return engine.clipped_grads()[model.weight].flatten()
+
+
+@pytest.mark.parametrize("mechanism", ["banded_mf", "blt"])
+def test_removing_one_example_moves_the_clipped_sum_by_at_most_c_whatever_units_are_passed(mechanism):
+    """The correlated-noise engines are accounted example-level with sensitivity C per participation (mechanism():
+    unit "example"; user-level DP is refused). ``accumulate(loss, units=...)`` clips each *unit's* summed
+    gradient instead: two examples of one unit with opposed gradients then move the clipped sum by 2C when one is
+    removed, twice what ε was computed for. The engine must refuse the units (or keep the move within C)."""
+    pair = torch.tensor([[3.0, 0.0], [-1.5, 0.0]])  # gradients 3e and −1.5e: the unit's sum 1.5e clips to e
+    with_both = _clipped_sum(mechanism, pair, torch.tensor([0, 0]))
+    if with_both is None:
+        return  # refused: the engine does not clip several examples as one
+    without_first = _clipped_sum(mechanism, pair[1:], torch.tensor([0]))
+    assert without_first is not None
+    moved = float((with_both - without_first).norm())
+    assert moved <= CLIP * (1 + 1e-6), f"one example moved the clipped sum by {moved / CLIP:.2f}·C"
