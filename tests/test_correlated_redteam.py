@@ -53,3 +53,27 @@ def test_removing_one_example_moves_the_clipped_sum_by_at_most_c_whatever_units_
     assert without_first is not None
     moved = float((with_both - without_first).norm())
     assert moved <= CLIP * (1 + 1e-6), f"one example moved the clipped sum by {moved / CLIP:.2f}·C"
+
+
+@pytest.mark.parametrize("mechanism", ["banded_mf", "blt"])
+def test_recipe_sigma_listing_reports_the_correlated_runs_own_sigma(tmp_path: Path, mechanism):
+    """`dptext account --eps E --recipes DIR` lists "the σ its own accountant calibrates" for each recipe. A banded
+    MF / BLT run calibrates σ as one Gaussian mechanism (q = 1, one step, no amplification: mf_noise_multiplier),
+    not DP-SGD's Poisson-amplified σ at q = B/n over S steps; listing the latter misstates what the run draws
+    (here 0.706 for the run's 0.586 at ε = 8; on sst2's schedule it understates σ)."""
+    from dptext.accounting.plan import recipe_sigmas, shipped_recipes_dir
+    from dptext.config import load_recipe
+    from dptext.finetune.banded_mf import mf_noise_multiplier
+
+    text = (shipped_recipes_dir() / "quickstart.yaml").read_text()
+    extra = {"banded_mf": "  mechanism: banded_mf\n  sampling: cyclic\n  mf_bands: 4\n",
+             "blt": "  mechanism: blt\n  sampling: cyclic\n"}[mechanism]
+    text = text.replace("privacy:\n", "privacy:\n" + extra, 1)
+    (tmp_path / "mf.yaml").write_text(text)
+    recipe = load_recipe(tmp_path / "mf.yaml")
+    assert recipe.privacy.mechanism == mechanism
+    row = recipe_sigmas(8.0, tmp_path, train_size=lambda data: 6000)[0]
+    delta = 1 / (2 * 6000)
+    expected = mf_noise_multiplier(recipe.privacy, delta)
+    assert row["noise_multiplier"] is None or row["noise_multiplier"] == pytest.approx(expected, rel=1e-3), (
+        f"listed σ {row['noise_multiplier']:.4g}, the {mechanism} run draws σ {expected:.4g}")
