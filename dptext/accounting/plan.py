@@ -132,10 +132,15 @@ def recipe_plan(recipe: Any, train_size: Callable[[Any], int] | None = None, tar
                 "sigma_source": "pinned (privacy.noise_multiplier)"}
     edp = privacy.method == "edp_sgd"
     target = target_epsilon if target_epsilon is not None else privacy.target_epsilon
-    calibration = calibrate_noise_multiplier(target, plan.delta, plan.sample_rate, plan.steps,
-                                             method=privacy.accountant,
-                                             schedule=noise_schedule_for(privacy) if edp else CONSTANT,
-                                             steps_per_epoch=plan.steps_per_epoch)
+    if privacy.mechanism in ("banded_mf", "blt"):  # one Gaussian mechanism, no amplification (finetune/banded_mf.py)
+        calibration = calibrate_noise_multiplier(target, plan.delta, 1.0, 1, method=privacy.accountant)
+        found["notes"].append(f"{privacy.mechanism}: σ of one Gaussian mechanism (q = 1, one step, no amplification "
+                              "by sampling), drawn before the strategy's filter")
+    else:
+        calibration = calibrate_noise_multiplier(target, plan.delta, plan.sample_rate, plan.steps,
+                                                 method=privacy.accountant,
+                                                 schedule=noise_schedule_for(privacy) if edp else CONSTANT,
+                                                 steps_per_epoch=plan.steps_per_epoch)
     if calibration.approximate:
         found["notes"].append("GDP approximation")
     if edp:  # the training run adds noise z_0 = 2σ_0 (sensitivity 2C) unless every micro-batch holds one example
