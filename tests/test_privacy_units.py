@@ -71,8 +71,10 @@ def per_unit_brute_force(model: nn.Module, batch: dict, units: torch.Tensor, per
 
 def make_engine(model: nn.Module, mode: str, layout: str = "all_layer") -> PrivacyEngine:
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    return PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=3,
-                         dataset_size=100, clipping_mode=mode, clipping_layout=layout, verify=False)
+    engine = PrivacyEngine(model, optimizer, noise_multiplier=0.0, max_grad_norm=CLIP, expected_batch_size=3,
+                           dataset_size=100, clipping_mode=mode, clipping_layout=layout, verify=False)
+    engine.max_examples_per_user = 6  # user-level, as engine.user_sampler() makes it: accumulate takes units then
+    return engine
 
 
 def engine_sums(model: nn.Module, batch: dict, units, mode: str, layout: str = "all_layer", rows=None):
@@ -232,3 +234,14 @@ def test_per_unit_clipping_through_multihead_attention(mode, layout):
     torch.testing.assert_close(got_norms.double(), norms, rtol=RTOL, atol=1e-7)
     names = {param: name for name, param in model.named_parameters()}
     assert_sums_match({names[p]: t for p, t in engine.clipped_grads().items()}, expected)
+
+
+def test_units_are_refused_where_the_engine_is_accounted_per_example():
+    # red team (session 29): units passed to an engine whose batches come from engine.sampler() (ε about single
+    # examples) clipped each unit's sum, so one example moved the clipped sum by 2C against the accounted C
+    model, batch = tiny("tiny-gpt2"), padded_batch()
+    engine = make_engine(model, "bookkeeping")
+    engine.max_examples_per_user = None  # as built: no user_sampler()
+    with pytest.raises(UserError, match="user_sampler"):
+        engine.accumulate(losses(model, batch, torch.arange(6)), units=UNITS)
+    engine.accumulate(losses(model, batch, torch.arange(6)))  # one unit per example: accepted

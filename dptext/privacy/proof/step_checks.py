@@ -118,6 +118,11 @@ def invariant_failed(name: str | None, why: str) -> UserError:
                      "use clipping_mode='per_sample' meanwhile.")
 
 
+UNITS_WITHOUT_USER_SAMPLER = (
+    "accumulate(units=...) clips each unit's summed gradient, but this engine's ε is about single examples (its "
+    "batches come from engine.sampler(), not engine.user_sampler()), and one example could move its unit's clipped "
+    "sum by 2C; draw the batches with engine.user_sampler(users, max_examples_per_user, steps), or pass units=None.")
+
 def check_loss(engine, per_example_loss: Tensor, units: Tensor | None) -> None:
     """What ``accumulate`` is given: one loss per example that depends on a trained layer (an empty micro-batch
     need not), and no units across processes; and that it runs inside no user mode (``refuse_mode_around``)."""
@@ -128,6 +133,8 @@ def check_loss(engine, per_example_loss: Tensor, units: Tensor | None) -> None:
     if per_example_loss.ndim != 1:
         raise UserError("Pass one loss per example (a 1-D tensor, e.g. from dptext.privacy.per_example_loss), "
                         "not a batch-averaged scalar.")
+    if units is not None and engine.max_examples_per_user is None:
+        raise UserError(UNITS_WITHOUT_USER_SAMPLER)
     if units is not None and engine.distributed is not None:
         raise UserError("Per-unit clipping is not supported across processes yet (a unit split over ranks "
                         "would be clipped once per rank); train user-level DP in one process.")
