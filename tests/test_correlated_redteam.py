@@ -77,3 +77,25 @@ def test_recipe_sigma_listing_reports_the_correlated_runs_own_sigma(tmp_path: Pa
     expected = mf_noise_multiplier(recipe.privacy, delta)
     assert row["noise_multiplier"] is None or row["noise_multiplier"] == pytest.approx(expected, rel=1e-3), (
         f"listed σ {row['noise_multiplier']:.4g}, the {mechanism} run draws σ {expected:.4g}")
+
+
+@pytest.mark.parametrize("before,after", [("dp_sgd", "blt"), ("banded_mf", "dp_sgd"), ("blt", "banded_mf")])
+def test_a_resume_under_another_mechanism_is_refused_in_a_sentence(before, after):
+    """A DP-SGD checkpoint resumed as banded MF / BLT (or back) with a pinned σ and the same n, δ and q passed the
+    account check (the mechanism was not compared) and stopped only at a KeyError loading the noise state; had that
+    load succeeded, the MF ledger would have dropped the DP-SGD steps from ε (session-29 red team)."""
+    from types import SimpleNamespace
+
+    from dptext.accounting import PrivacyLedger
+    from dptext.finetune.checkpointing import check_same_account
+
+    def ledger(method):
+        made = PrivacyLedger(delta=1e-5, dataset_size=100, accountant="rdp")
+        made.mechanism = {"method": method, "unit": "example", "noise_multiplier": 1.0, "strategy_sensitivity": 1.0}
+        return made
+
+    training = SimpleNamespace(private=True, ledger=ledger(after), plan=SimpleNamespace(sample_rate=0.1),
+                               recipe=SimpleNamespace(privacy=SimpleNamespace(method="dp_sgd")), noise_multiplier=1.0)
+    with pytest.raises(UserError, match=f"mechanism {before} -> {after}"):
+        check_same_account(training, {"ledger": ledger(before).to_dict()})
+    check_same_account(training, {"ledger": ledger(after).to_dict()})  # the same mechanism resumes

@@ -73,6 +73,10 @@ def check_same_account(training: Any, state: dict[str, Any]) -> None:
     rates = {run.sample_rate for run in restored.runs}
     if any(not math.isclose(rate, training.plan.sample_rate, rel_tol=1e-9) for rate in rates):
         changes.append(f"q {', '.join(f'{r:.4g}' for r in sorted(rates))} -> {training.plan.sample_rate:.4g}")
+    for key, what in (("method", "mechanism"), ("unit", "privacy unit")):  # e.g. DP-SGD's ledger resumed as BLT
+        before, after = (restored.mechanism or {}).get(key), (now.mechanism or {}).get(key)
+        if before is not None and after is not None and before != after:
+            changes.append(f"{what} {before} -> {after}")
     if restored.accountant != now.accountant:
         changes.append(f"accountant {restored.accountant} -> {now.accountant}")
     sigmas = {run.noise_multiplier for run in restored.runs}
