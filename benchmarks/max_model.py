@@ -1,7 +1,8 @@
 """The largest model that trains under a memory cap: non-private Adam against dptext DP-Adam with default settings.
 
     python benchmarks/max_model.py [--device cpu|cuda] [--cap-gb 20] [--layers 4,8,11,16,22]
-                                   [--modes nonprivate,dp] [--tiny] [--time-budget S] [--out FILE.json]
+                                   [--modes nonprivate,dp] [--tiny] [--batch 2] [--length 32] [--time-budget S]
+                                   [--out FILE.json]
 
 The family is TinyLlama-1.1B's shape (hidden 2048, intermediate 5632, 32 heads with 8 key/value heads, a tied
 32,000-token vocabulary) with L decoder layers and random weights built in code (no download): L = 4 is 246M
@@ -82,7 +83,7 @@ def reset_peak(device: str) -> None:
         clear.write("5")
 
 
-def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
+def child(mode: str, layers: int, tiny: bool, device: str, batch: int = BATCH, length: int = LENGTH) -> dict:
     """One trial in this process (with FSDP2: this rank's part of it); returns its numbers."""
     import torch
 
@@ -97,9 +98,9 @@ def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
     model = build(layers, tiny, device)  # whole on every rank, as dptext's loader does before fully_shard
     model.train()
     parameters = sum(p.numel() for p in model.parameters())
-    local = BATCH // (ctx.world_size if ctx else 1)
+    local = batch // (ctx.world_size if ctx else 1)
     generator = torch.Generator().manual_seed(1 + (ctx.rank if ctx else 0))
-    ids = torch.randint(1, model.config.vocab_size, (local, LENGTH), generator=generator).to(device)
+    ids = torch.randint(1, model.config.vocab_size, (local, length), generator=generator).to(device)
     mask = torch.ones_like(ids)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
     row = {"mode": mode, "layers": layers, "parameters": parameters}
@@ -111,7 +112,7 @@ def child(mode: str, layers: int, tiny: bool, device: str) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     engine = None
     if private:
-        engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=BATCH,
+        engine = PrivacyEngine(model, optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=batch,
                                dataset_size=1000, distributed=ctx)
         prove(engine, row, device)  # under FSDP2 on the sharded model, every rank together (proof.sharded_probe)
 
@@ -190,7 +191,8 @@ def trial(mode: str, layers: int, args) -> dict:
     if mode.endswith("fsdp2") and args.device == "cuda" and gpus() < RANKS:
         return {"mode": mode, "layers": layers, "fits": None,
                 "why": f"not run: FSDP2 takes one GPU per rank ({RANKS} ranks) and this machine has {gpus()}"}
-    command = [sys.executable, __file__, "--child", mode, "--layers", str(layers), "--device", args.device]
+    command = [sys.executable, __file__, "--child", mode, "--layers", str(layers), "--device", args.device,
+               "--batch", str(args.batch), "--length", str(args.length)]
     if mode.endswith("fsdp2"):
         command[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS)]
     command += ["--tiny"] if args.tiny else []
@@ -248,12 +250,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", default=None, help="comma-separated layer counts, tried in increasing order")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--batch", type=int, default=BATCH, help="examples per step (all ranks together)")
+    parser.add_argument("--length", type=int, default=LENGTH, help="tokens per example")
     parser.add_argument("--time-budget", type=float, default=None, help="start no trial after this many seconds")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        row = child(args.child, int(args.layers), args.tiny, args.device)
+        row = child(args.child, int(args.layers), args.tiny, args.device, args.batch, args.length)
         if row:
             print(json.dumps(row), flush=True)
         return {}
@@ -275,8 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             largest[mode] = {"layers": layers, "parameters": row["parameters"]}
     result = {"what": f"largest TinyLlama-shaped model (L layers, random weights) that trains {STEPS} steps of "
-                      f"batch {BATCH} x {LENGTH} tokens: non-private Adam vs dptext DP-Adam book-keeping with its "
-                      f"default settings (start-up proof on), in one process and on {RANKS} FSDP2 ranks",
+                      f"batch {args.batch} x {args.length} tokens: non-private Adam vs dptext DP-Adam book-keeping "
+                      f"with its default settings (start-up proof on), in one process and on {RANKS} FSDP2 ranks",
               "device": args.device, "machine": machine(args.device), "cap_gb": args.cap_gb if args.device == "cpu"
               else None, "tiny": args.tiny, "rows": rows, "largest": largest}
     if args.out:

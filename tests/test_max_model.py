@@ -83,7 +83,7 @@ def test_fsdp2_is_not_started_on_fewer_gpus_than_ranks(monkeypatch):
     # torchrun's '====' banner; now such a trial is not run and says why
     monkeypatch.setattr(max_model, "gpus", lambda: 1)
     monkeypatch.setattr(max_model.subprocess, "Popen", lambda *a, **k: pytest.fail("a trial was started"))
-    args = max_model.argparse.Namespace(device="cuda", tiny=True, cap_gb=20.0)
+    args = max_model.argparse.Namespace(device="cuda", tiny=True, cap_gb=20.0, batch=2, length=32)
     row = max_model.trial("dp-fsdp2", 22, args)
     assert row["fits"] is None and "one GPU per rank" in row["why"] and "has 1" in row["why"]
 
