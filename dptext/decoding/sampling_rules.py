@@ -17,6 +17,7 @@ from dptext.errors import UserError
 PLAIN_SAMPLING_SETTINGS = {
     "do_sample": True,
     "num_beams": 1,
+    "num_return_sequences": 1,  # one sample per query: a model's config could ask for several (each costs ε)
     "temperature": 1.0,
     "top_k": 0,
     "top_p": 1.0,
