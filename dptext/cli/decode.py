@@ -70,7 +70,7 @@ def decode(
 ) -> None:
     out = make_output(json_mode)
     refuse_bad_options(prompt=prompt, lam=lam, eps=eps, public_model=public_model, top_k=top_k, top_p=top_p,
-                       greedy=greedy, num_beams=num_beams, data=data, sweep=sweep, plot=plot,
+                       greedy=greedy, model=model, num_beams=num_beams, data=data, sweep=sweep, plot=plot,
                        max_examples=max_examples, max_length=max_length, batch_size=batch_size)
     from dptext.model_check import check_model_name
 
@@ -86,8 +86,18 @@ def decode(
                        temperature=temperature, seed=seed, public_model=public_model, top_k=top_k, device=device)
 
 
+def _same_model(first: str, second: str) -> bool:
+    import os
+
+    def norm(name: str) -> str:
+        path = os.path.expanduser(name)
+        return os.path.realpath(path) if os.path.exists(path) else name.rstrip("/")
+
+    return norm(first) == norm(second)
+
+
 def refuse_bad_options(prompt, lam, eps, public_model, top_k, top_p, greedy, num_beams, data, sweep, plot,
-                       max_examples, max_length, batch_size) -> None:
+                       max_examples, max_length, batch_size, model: str | None = None) -> None:
     """Every mistake that needs no model, caught before the (slow) model load."""
     from dptext.decoding import check_lambda, refuse_unsafe_decoding
     from dptext.errors import UserError
@@ -97,6 +107,10 @@ def refuse_bad_options(prompt, lam, eps, public_model, top_k, top_p, greedy, num
                             **({"top_k": top_k} if top_k is not None and public_model is None else {})})
     if public_model is not None and top_k is None:
         raise UserError("--public-model needs --top-k K: the number of the public model's top tokens to sample from.")
+    if public_model is not None and model is not None and _same_model(public_model, model):
+        raise UserError("--public-model names the private model itself, so its top-k would be chosen with the "
+                        "private model and ε with |V| = k would not hold; give a separate public model "
+                        "(e.g. the pre-trained base) or drop --public-model.")
     if lam is not None and eps is not None:
         raise UserError("Give either --lambda or --eps, not both.")
     if lam is not None:

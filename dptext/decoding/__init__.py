@@ -25,6 +25,7 @@ _LAZY = {
     "DPSamplingLogitsProcessor": "processor",
     "PrivacyViolation": "processor",
     "PublicTopKDPLogitsProcessor": "public_support",
+    "check_public_is_independent": "public_support",
     "check_shared_vocabulary": "public_support",
     "output_vocab_size": "public_support",
     "PrivateOutput": "generation",

@@ -14,7 +14,12 @@ import torch
 
 from dptext.decoding.mechanism import check_lambda, epsilon_for_lambda, perturbed_log_probs
 from dptext.decoding.processor import DPSamplingLogitsProcessor, check_temperature
-from dptext.decoding.public_support import PublicTopKDPLogitsProcessor, check_shared_vocabulary, output_vocab_size
+from dptext.decoding.public_support import (
+    PublicTopKDPLogitsProcessor,
+    check_public_is_independent,
+    check_shared_vocabulary,
+    output_vocab_size,
+)
 from dptext.decoding.sampling_rules import SAFE_GENERATE_ARGS, refuse_unsafe_decoding
 from dptext.errors import UserError
 
@@ -70,6 +75,7 @@ def dp_generate(model, tokenizer, prompts: str | list[str], lam: float, max_new_
     if public is None:
         processor = DPSamplingLogitsProcessor(lam, vocab_size, check_temperature(temperature), keep_outputs=True)
     else:
+        check_public_is_independent(model, public.model)
         check_shared_vocabulary(model, tokenizer, public.model, public.tokenizer)
         processor = PublicTopKDPLogitsProcessor(lam, vocab_size, public.model, public.top_k,
                                                 check_temperature(temperature), batch["attention_mask"],

@@ -38,6 +38,19 @@ def check_shared_vocabulary(private_model, private_tokenizer, public_model, publ
                         "top-k would pick the wrong tokens; choose a public model with the same tokenizer.")
 
 
+def check_public_is_independent(private_model, public_model) -> None:
+    """Refuse a "public" model that is the private model or shares any of its weights (e.g. the base model
+    object a LoRA adapter was injected into): its top-k would be chosen with private information."""
+    def storages(model) -> set[int]:
+        return {p.data_ptr() for p in model.parameters() if p.numel() and p.data_ptr()}
+
+    shared = public_model is private_model or bool(storages(private_model) & storages(public_model))
+    if shared:
+        raise UserError("The public model is the private model or shares weights with it, so its top-k would be "
+                        "chosen with the private model and ε with |V| = k would not hold; load a separate public "
+                        "model (e.g. the pre-trained base) or drop --public-model.")
+
+
 class PublicTopKDPLogitsProcessor(DPSamplingLogitsProcessor):
     """λ-perturbed sampling restricted to the top-k tokens of ``public_model`` at each step.
 
