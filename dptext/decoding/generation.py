@@ -8,6 +8,7 @@ not cover, so only random sampling is offered and every other decoding setting i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +46,15 @@ class PublicSupport:
     top_k: int
 
 
-def _fork_rng(seed: int | None, device: torch.device):
+def _fork_rng(device: torch.device):
     devices = [device] if device.type == "cuda" else []
-    return torch.random.fork_rng(devices=devices, enabled=seed is not None)
+    return torch.random.fork_rng(devices=devices)
+
+
+def _secret_seed() -> int:
+    """A seed from the operating system: without --seed the draws must be unknown to the reader, which the
+    global torch RNG is not (any earlier torch.manual_seed, or the fixed default seed of CUDA generators)."""
+    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
 
 
 @torch.no_grad()
@@ -82,9 +89,8 @@ def dp_generate(model, tokenizer, prompts: str | list[str], lam: float, max_new_
                                                 keep_outputs=True)
     user_processors = list(generate_args.pop("logits_processor", None) or [])
     generate_args.setdefault("pad_token_id", tokenizer.pad_token_id)
-    with _fork_rng(seed, device):
-        if seed is not None:
-            torch.manual_seed(seed)
+    with _fork_rng(device):
+        torch.manual_seed(seed if seed is not None else _secret_seed())
         result = model.generate(**batch, max_new_tokens=max_new_tokens, logits_processor=user_processors + [processor],
                                 return_dict_in_generate=True, output_scores=True,
                                 **processor.generate_kwargs(), **generate_args)
