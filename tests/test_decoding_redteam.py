@@ -64,3 +64,11 @@ def test_seedless_generation_does_not_reuse_the_global_rng(gpt2):
     # an explicit seed stays reproducible
     assert (dp_generate(model, tokenizer, ["Hi"] * 4, lam=0.5, max_new_tokens=5, seed=7).token_ids
             == dp_generate(model, tokenizer, ["Hi"] * 4, lam=0.5, max_new_tokens=5, seed=7).token_ids)
+
+
+@pytest.mark.parametrize("max_new_tokens", [2.5, 1.5, float("nan"), float("inf")])
+def test_fractional_max_new_tokens_is_refused(gpt2, max_new_tokens):
+    """max_new_tokens = 2.5 let generate() sample 3 tokens while ε was reported for T = 2.5 (understated)."""
+    model, tokenizer = gpt2
+    with pytest.raises(UserError):
+        dp_generate(model, tokenizer, "Hi", lam=0.5, max_new_tokens=max_new_tokens, seed=0)
