@@ -8,6 +8,7 @@ not cover, so only random sampling is offered and every other decoding setting i
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -72,8 +73,11 @@ def dp_generate(model, tokenizer, prompts: str | list[str], lam: float, max_new_
         temperature = generate_args.pop("temperature")
     # what is left of the sampling settings is neutral (checked above); ours replace them
     generate_args = {k: v for k, v in generate_args.items() if k in SAFE_GENERATE_ARGS}
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
+    # generate() stops at the first length ≥ prompt + max_new_tokens, so a fractional value samples
+    # ceil(T) tokens while ε would be computed for T: only whole numbers ≥ 1 are accepted
+    if not (math.isfinite(max_new_tokens) and max_new_tokens == int(max_new_tokens) and max_new_tokens >= 1):
+        raise UserError(f"--max-new-tokens must be a whole number ≥ 1, got {max_new_tokens}.")
+    max_new_tokens = int(max_new_tokens)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     device = next(model.parameters()).device
     # decoder-only batches must end where generation starts
