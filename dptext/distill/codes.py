@@ -25,6 +25,7 @@ post-processing of the noisy histogram: code sampling, the split, generation).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -32,6 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 from scipy.optimize import brentq
 
+from dptext.accounting.events import LARGE_DELTA
 from dptext.accounting.gdp import gdp_delta
 from dptext.errors import UserError
 from dptext.tasks.label_sets import canonical, check_code_domain
@@ -81,9 +83,13 @@ class CodeDistribution:
 
 def gaussian_sigma(epsilon: float, delta: float) -> float:
     """σ of the Gaussian mechanism with sensitivity 1 that is exactly (ε, δ)-DP (μ = 1/σ GDP)."""
-    if not (epsilon > 0 and 0 < delta < 1):
-        raise UserError(f"The Gaussian code histogram needs ε > 0 and 0 < δ < 1 (got ε={epsilon}, δ={delta}); "
-                        "pass --code-epsilon and --code-delta.")
+    if not (0 < epsilon < math.inf and 0 < delta < 1):
+        raise UserError(f"The Gaussian code histogram needs a finite --code-epsilon > 0 and 0 < δ < 1 (got "
+                        f"ε={epsilon}, δ={delta}); pass --code-epsilon and --code-delta.")
+    if delta >= LARGE_DELTA:  # as privacy.delta: the histogram may publish the exact counts with probability δ
+        raise UserError(f"--code-delta {delta:g} makes the histogram's ε meaningless (δ is the chance of an "
+                        f"outright leak; δ ≥ {LARGE_DELTA:g} is refused); use a δ below 1/n, e.g. 1e-6, or the "
+                        "Laplace histogram (δ = 0).")
     # δ(ε; μ) increases with μ: find μ with δ(ε; μ) = δ, then σ = 1/μ.
     high = 1.0
     while gdp_delta(epsilon, high) < delta:
@@ -129,8 +135,8 @@ def code_distribution(records: Sequence[dict[str, Any]], fields: Sequence[str], 
     rng = np.random.default_rng(seed)
     if mechanism == "laplace":
         epsilon = DEFAULT_CODE_EPSILON if epsilon is None else epsilon
-        if epsilon <= 0:
-            raise UserError("The Laplace code histogram needs --code-epsilon > 0.")
+        if not 0 < epsilon < math.inf:  # inf: noise of scale 0, the exact counts published as 'noisy_counts'
+            raise UserError(f"The Laplace code histogram needs a finite --code-epsilon > 0 (got {epsilon}).")
         scale, eps, dlt = 1.0 / epsilon, float(epsilon), 0.0
         noisy = exact + rng.laplace(0.0, scale, size=len(codes))
     else:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dptext.accounting.events import check_large_delta
 from dptext.data import load_records
 from dptext.distill.student import build_student
 from dptext.distill.synth import PROVENANCE, teacher_info
@@ -114,6 +115,9 @@ def dpkd_budget(recipe: Any, teacher: dict, n: int) -> dict[str, Any]:
     """The student's share of the budget: total minus the teacher's (basic composition)."""
     total_eps = recipe.privacy.target_epsilon
     total_delta = recipe.privacy.delta or 1.0 / (2 * n)
+    # the composed claim's δ is refused as finetune refuses privacy.delta, not just the student's share of it
+    check_large_delta(total_delta, "given" if recipe.privacy.delta else f"1/(2n) with n={n}",
+                      recipe.privacy.allow_large_delta, "set privacy.allow_large_delta=true")
     t = teacher["privacy"]
     if not t["private"]:
         raise UserError("The DPKD teacher was trained without DP; train it with its share of the budget.")

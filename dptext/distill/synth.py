@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from dptext.accounting.carried import ONE_RUN, carried_privacy
+from dptext.accounting.events import LARGE_DELTA
 from dptext.data import load_records
 from dptext.distill.chunked_generation import CHUNKS, completed_chunks, generate_all, read_chunks
 from dptext.distill.codes import CodeDistribution, code_distribution, compose_basic, sample_codes, total_variation
@@ -103,6 +104,21 @@ def combined_privacy(teacher: dict[str, Any], codes: CodeDistribution) -> dict[s
     else:
         note = "DP code histogram over the declared code domain: counts and support protected"
     return {**total, "composition": "basic: ε = ε_teacher + ε_codes, δ = δ_teacher + δ_codes", "note": note}
+
+
+def check_composed_delta(info: dict[str, Any], code_settings: dict[str, Any]) -> None:
+    """Refuse a synthetic-data δ (teacher's + histogram's) of 0.1 or more, as finetune refuses privacy.delta: each
+    part may pass alone while the sum that the output claims does not (allowed where the teacher's recipe allowed
+    a large δ, privacy.allow_large_delta)."""
+    teacher = info["privacy"]
+    if not teacher["private"]:
+        return
+    code_delta = float(code_settings["delta"] or 0.0) if code_settings["mechanism"] == "gaussian" else 0.0
+    total = float(teacher["delta"]) + code_delta
+    if total >= LARGE_DELTA and not info["recipe"].privacy.allow_large_delta:
+        raise UserError(f"The synthetic data would claim δ = {total:.3g} (teacher {teacher['delta']:.3g} + code "
+                        f"histogram {code_delta:.3g}), and at δ ≥ {LARGE_DELTA:g} no ε means much (δ is the chance "
+                        "of an outright leak); lower --code-delta or use a teacher trained with a smaller δ.")
 
 
 def synth_ledger(teacher: dict[str, Any], codes: CodeDistribution) -> dict[str, Any]:
@@ -232,6 +248,7 @@ def synthesize(teacher: str | Path, out: str | Path, n: int, *, code_mechanism: 
     settings = {"top_k": top_k, "top_p": top_p, "temperature": temperature, "max_new_tokens": max_new_tokens,
                 "batch_size": batch_size, "validation_fraction": validation_fraction}
     code_settings = {"mechanism": code_mechanism, "epsilon": code_epsilon, "delta": code_delta, "domain": code_domain}
+    check_composed_delta(info, code_settings)
     # a finished folder too is compared first: another --n or teacher is refused, never answered "complete"
     plan = stored_plan(out, plan_identity(info, n, seed, settings, code_settings))
     if (out / PROVENANCE).exists():
