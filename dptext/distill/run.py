@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from dptext.finetune.task_probe import verify_with_task
 from dptext.model_check import check_model_name
 from dptext.models import load_model
 from dptext.output import Output
+from dptext.release import MANIFEST
 from dptext.runs import RunDir, atomic_write_json
 from dptext.tasks.language_modeling import LanguageModelingTask
 
@@ -69,10 +71,56 @@ def check_recipe(recipe: Any) -> None:
     if d.teacher and (RunDir.open(d.teacher).load_result() is None):
         raise UserError(f"distill.teacher '{d.teacher}' has not finished (no result.json); finish it with "
                         f"`dptext finetune --resume {d.teacher}` first.")
+    teacher_run = d.teacher
     if d.method in SYNTHETIC_METHODS:
-        synthetic_provenance(d.synthetic, None)
+        teacher_run = teacher_run or synthetic_provenance(d.synthetic, None)["teacher"]["teacher_run"]
+    teacher_recipe = RunDir.open(teacher_run).recipe() if teacher_run else None
     if d.student:
         check_model_name(d.student, key="distill.student")
+    source = d.student or (teacher_recipe.model.name if teacher_recipe else None)
+    if source:  # the student starts from d.student, else from the teacher's base model
+        check_public_student(source, "distill.student" if d.student else f"the teacher's model.name ({teacher_run})")
+    if teacher_recipe is not None:
+        check_same_partition(recipe, teacher_recipe, teacher_run)
+
+
+# what decides which records land in which split: equal in the teacher's recipe and the student's
+PARTITION = ("dataset", "path", "text_column", "label_column", "validation_fraction", "split_seed", "user_column")
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a == b
+    return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def check_same_partition(recipe: Any, teacher_recipe: Any, teacher_run: str) -> None:
+    """Every method scores the student on ``recipe``'s eval split and writes the score into the covered
+    result.json; partitioned differently from the teacher's data (another path, split_seed, validation_fraction),
+    that split can hold the teacher's training records, whose un-noised statistic ε would then not cover."""
+    ours, theirs = recipe.data, teacher_recipe.data
+    differ = [k for k in PARTITION if not (_same_path(ours.path, theirs.path) if k == "path"
+                                           else getattr(ours, k) == getattr(theirs, k))]
+    if differ:
+        raise UserError(f"The distill recipe's data differs from the teacher run's ({teacher_run}) in "
+                        f"{', '.join('data.' + k for k in differ)}, so its {recipe.eval.split} split may hold the "
+                        "teacher's training records and the student's score on it would not be covered by ε; use "
+                        "the teacher's data section (same source, split_seed and validation_fraction).")
+
+
+def check_public_student(name: str, key: str = "distill.student") -> None:
+    """The student's start (student_init/, registered public) must be a public model: a model folder inside a
+    dptext run directory or synth folder holds weights learnt from private data (without DP, or with an ε the
+    student's claim does not count), so it is refused."""
+    folder = Path(os.path.expanduser(name))
+    if not folder.is_dir():
+        return
+    for parent in [folder.resolve(), *folder.resolve().parents][:4]:
+        if any((parent / marker).is_file() for marker in (MANIFEST, "resolved.yaml", "result.json")):
+            raise UserError(f"{key} '{name}' lies in the dptext run directory '{parent}': its weights were "
+                            "trained on private data, which the student's privacy claim does not count and its "
+                            "student_init/ (public) would republish; start from a public pretrained model (a hub "
+                            "name, an offline alias, or a layer subset of the teacher's base model).")
 
 
 def synthetic_provenance(folder: str, teacher_run: str | None) -> dict[str, Any]:
