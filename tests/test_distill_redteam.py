@@ -136,3 +136,17 @@ def test_laplace_code_histogram_needs_a_finite_epsilon(epsilon):
     the key 'noisy_counts' (a covered file)."""
     with pytest.raises(UserError, match="code-epsilon"):
         code_distribution(RECORDS, ["category", "rating"], "laplace", epsilon=epsilon, domain=DOMAIN)
+
+
+# --------------------------------------------------------------------------- caveats a teacher hands on
+
+def test_a_teachers_unverified_clipping_is_stated_by_what_learns_from_it(tmp_path, amazon):
+    """A teacher trained with privacy.verify=false has 'clipping_not_verified' in its release.json: its ε rests on
+    the layer rules alone. Synthetic data and students claim that same ε (inherited_flags feeds their
+    release.json) but drop the caveat, so their release.json reads as an unconditional guarantee.
+    (Cosmetic: statuses need not change, only the flag must travel.)"""
+    from dptext.release import inherited_flags
+
+    teacher = fake_run(tmp_path, "teacher", privacy={"target_epsilon": 1.0, "delta": 1e-5, "verify": False})
+    write_manifest(teacher, "run", ["clipping_not_verified"])
+    assert "clipping_not_verified" in inherited_flags(teacher)
