@@ -57,6 +57,8 @@ FLAG_REASONS = {
 }
 # inherited by what learns from the output
 GUARANTEE_FLAGS = ("non_private", "exact_codes", "data_dependent_scaling", "no_noise")
+# inherited too, as a caveat on the ε that is handed on (statuses unchanged): what claims a teacher's ε says so
+INHERITED_FLAGS = GUARANTEE_FLAGS + ("clipping_not_verified",)
 
 
 class UnregisteredOutput(UserError):
@@ -240,7 +242,7 @@ def recipe_unit(recipe: Any) -> dict[str, Any] | None:
 def inherited_flags(source: str | Path | None) -> list[str]:
     """The guarantee flags of a run or synth folder whose outputs another output learns from (a teacher)."""
     found = read_manifest(source) if source else None
-    return [f for f in (found or {}).get("flags", {}) if f in GUARANTEE_FLAGS]
+    return [f for f in (found or {}).get("flags", {}) if f in INHERITED_FLAGS]
 
 
 def _files(root: Path) -> list[str]:
