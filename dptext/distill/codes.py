@@ -187,3 +187,18 @@ def parse_domain(text: str | None) -> dict[str, list] | None:
 
 __all__ = ["CodeDistribution", "MECHANISMS", "DEFAULT_CODE_EPSILON", "code_distribution", "sample_codes",
            "gaussian_sigma", "total_variation", "compose_basic", "parse_domain"]
+
+
+def check_composed_delta(info: dict[str, Any], code_settings: dict[str, Any]) -> None:
+    """Refuse a synthetic-data δ (teacher's + histogram's) of 0.1 or more, as finetune refuses privacy.delta: each
+    part may pass alone while the sum that the output claims does not (allowed where the teacher's recipe allowed
+    a large δ, privacy.allow_large_delta)."""
+    teacher = info["privacy"]
+    if not teacher["private"]:
+        return
+    code_delta = float(code_settings["delta"] or 0.0) if code_settings["mechanism"] == "gaussian" else 0.0
+    total = float(teacher["delta"]) + code_delta
+    if total >= LARGE_DELTA and not info["recipe"].privacy.allow_large_delta:
+        raise UserError(f"The synthetic data would claim δ = {total:.3g} (teacher {teacher['delta']:.3g} + code "
+                        f"histogram {code_delta:.3g}), and at δ ≥ {LARGE_DELTA:g} no ε means much (δ is the chance "
+                        "of an outright leak); lower --code-delta or use a teacher trained with a smaller δ.")

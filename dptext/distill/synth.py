@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 
 from dptext.accounting.carried import ONE_RUN, carried_privacy
-from dptext.accounting.events import LARGE_DELTA
 from dptext.data import load_records
 from dptext.distill.chunked_generation import CHUNKS, completed_chunks, generate_all, read_chunks
-from dptext.distill.codes import CodeDistribution, code_distribution, compose_basic, sample_codes, total_variation
+from dptext.distill.codes import (CodeDistribution, check_composed_delta, code_distribution, compose_basic,
+                                  sample_codes, total_variation)
 from dptext.errors import UserError
 from dptext.finetune.setup import pick_device
 from dptext.locking import check_unlocked, lock_folder
@@ -104,21 +104,6 @@ def combined_privacy(teacher: dict[str, Any], codes: CodeDistribution) -> dict[s
     else:
         note = "DP code histogram over the declared code domain: counts and support protected"
     return {**total, "composition": "basic: ε = ε_teacher + ε_codes, δ = δ_teacher + δ_codes", "note": note}
-
-
-def check_composed_delta(info: dict[str, Any], code_settings: dict[str, Any]) -> None:
-    """Refuse a synthetic-data δ (teacher's + histogram's) of 0.1 or more, as finetune refuses privacy.delta: each
-    part may pass alone while the sum that the output claims does not (allowed where the teacher's recipe allowed
-    a large δ, privacy.allow_large_delta)."""
-    teacher = info["privacy"]
-    if not teacher["private"]:
-        return
-    code_delta = float(code_settings["delta"] or 0.0) if code_settings["mechanism"] == "gaussian" else 0.0
-    total = float(teacher["delta"]) + code_delta
-    if total >= LARGE_DELTA and not info["recipe"].privacy.allow_large_delta:
-        raise UserError(f"The synthetic data would claim δ = {total:.3g} (teacher {teacher['delta']:.3g} + code "
-                        f"histogram {code_delta:.3g}), and at δ ≥ {LARGE_DELTA:g} no ε means much (δ is the chance "
-                        "of an outright leak); lower --code-delta or use a teacher trained with a smaller δ.")
 
 
 def synth_ledger(teacher: dict[str, Any], codes: CodeDistribution) -> dict[str, Any]:
