@@ -35,6 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from dptext.accounting import calibrate_noise_multiplier, compute_epsilon, StepRun
 from dptext.accounting.calibrate import check_training_accountant
+from dptext.accounting.events import check_delta, check_epsilon, check_large_delta
 from dptext.accounting.pld import MIN_SIGMA
 from dptext.errors import UserError
 from dptext.finetune.distributed import current as current_process_group
@@ -65,6 +66,7 @@ class PrivacyArguments:
     clipping_layout: str = "all_layer"  # or per_layer
     loss_reduction: str = "sum"  # causal LM: sum or mean over each example's own labelled tokens
     seed: int | None = None  # None: a secret random root; an int makes sampling and noise reproducible
+    allow_large_delta: bool = False  # δ ≥ 0.1 (any ε is then meaningless) is refused unless this is set
 
 
 class EngineStep(torch.optim.Optimizer):
@@ -141,6 +143,11 @@ class DPTrainer(ReleaseListing, Trainer):
         check_training_accountant(privacy.accountant)
         if privacy.target_epsilon is None and privacy.noise_multiplier is None:
             raise UserError("Give PrivacyArguments a target_epsilon (σ is calibrated to it) or a noise_multiplier.")
+        if privacy.target_epsilon is not None:  # NaN compared False everywhere: the budget was silently off
+            check_epsilon(privacy.target_epsilon)
+        if not (isinstance(privacy.max_grad_norm, (int, float)) and math.isfinite(privacy.max_grad_norm)
+                and privacy.max_grad_norm > 0):  # C = inf: no clipping at all, noise σ·C = inf
+            raise UserError(f"max_grad_norm (C) must be a positive finite number, got {privacy.max_grad_norm!r}.")
         if privacy.noise_multiplier is not None and 0 < privacy.noise_multiplier < MIN_SIGMA:  # as the recipe bound
             raise UserError(f"noise_multiplier={privacy.noise_multiplier:g} is below {MIN_SIGMA}, where ε is in the "
                             "thousands or beyond (no meaningful privacy); raise it (or use 0 only to test clipping).")
@@ -152,7 +159,9 @@ class DPTrainer(ReleaseListing, Trainer):
         if not 0 < privacy.expected_batch_size <= self.dataset_size:
             raise UserError(f"expected_batch_size must be between 1 and the {self.dataset_size} training examples.")
         self.sample_rate = privacy.expected_batch_size / self.dataset_size
-        self.delta = privacy.delta if privacy.delta is not None else 1 / (2 * self.dataset_size)
+        self.delta = check_delta(privacy.delta if privacy.delta is not None else 1 / (2 * self.dataset_size))
+        check_large_delta(self.delta, "given" if privacy.delta is not None else "1/(2n), the default",
+                          privacy.allow_large_delta, "set PrivacyArguments.allow_large_delta=True")
         self.loss_fn, self.probe_batch = loss_and_probe_batch(self.model, privacy.loss_reduction, per_example_loss,
                                                               probe_batch)
         self.engine: PrivacyEngine | None = None
