@@ -73,11 +73,11 @@ def test_eval_results_on_the_training_data_are_not_listed_covered(tmp_path):
     # release.py's own entry says eval_results.json is "not covered if that data is the training data", yet it
     # was listed covered: the exact mean loss over the private records is no post-processing of the DP model
     data = dataset()
-    trainer = DPTrainer(model=causal_model(), args=training_args(tmp_path), train_dataset=data, eval_dataset=data,
-                        data_collator=collate,
-                        privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8, noise_multiplier=1.0))
-    trainer.train()
     try:
+        trainer = DPTrainer(model=causal_model(), args=training_args(tmp_path), train_dataset=data,
+                            eval_dataset=data, data_collator=collate,
+                            privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8, noise_multiplier=1.0))
+        trainer.train()
         metrics = trainer.evaluate()
     except UserError:
         return  # refusing to evaluate on the training data is correct too
@@ -150,3 +150,26 @@ def test_left_padding_with_absolute_positions_does_not_let_examples_interact(tmp
         total = [t + min(1.0, C / (norm + 1e-6)) * g for t, g in zip(total, grads)]
     for index, (p, want) in enumerate(zip(model.parameters(), (p - LR * t / 8 for p, t in zip(params, total)))):
         assert torch.allclose(p.detach(), want.detach(), rtol=1e-6, atol=1e-9), f"parameter {index}"
+
+
+def test_evaluate_given_the_training_data_is_refused_and_held_out_data_is_evaluated(tmp_path):
+    data, held_out = dataset(), dataset()
+    trainer = DPTrainer(model=causal_model(), args=training_args(tmp_path), train_dataset=data,
+                        eval_dataset=held_out, data_collator=collate,
+                        privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8, noise_multiplier=1.0))
+    trainer.train()
+    with pytest.raises(UserError, match="eval_dataset is the training data"):
+        trainer.evaluate(data)
+    with pytest.raises(UserError, match="eval_dataset is the training data"):
+        trainer.evaluate({"train": data, "other": held_out})
+    assert "eval_loss" in trainer.evaluate()
+
+
+def test_a_right_padding_collator_still_trains(tmp_path):
+    # the control of the left-padding refusal: the same rows padded on the right train as before
+    data = dataset()
+    trainer = DPTrainer(model=causal_model(), args=training_args(tmp_path), train_dataset=data,
+                        data_collator=collate,
+                        privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8, noise_multiplier=1.0))
+    trainer.train()
+    assert trainer.engine.steps > 0

@@ -35,13 +35,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from dptext.accounting import calibrate_noise_multiplier, compute_epsilon, StepRun
 from dptext.accounting.calibrate import check_training_accountant
-from dptext.accounting.events import check_delta, check_epsilon, check_large_delta
-from dptext.accounting.pld import MIN_SIGMA
+from dptext.accounting.events import check_delta, check_large_delta
 from dptext.errors import UserError
 from dptext.finetune.distributed import current as current_process_group
 from dptext.integrations.poisson_batches import LogicalBatch, PoissonBatches, model_input_collator
-from dptext.integrations.trainer_checks import (refuse_gradient_reducing_wrapper, refuse_unsupported_arguments,
-                                                refuse_unsupported_launch, without_trainer_clipping)
+from dptext.integrations.trainer_checks import (check_privacy_arguments, refuse_evaluation_on_training_data,
+                                                refuse_gradient_reducing_wrapper, refuse_left_padding,
+                                                refuse_unsupported_arguments, refuse_unsupported_launch,
+                                                without_trainer_clipping)
 from dptext.integrations.trainer_losses import BatchMaker, LossFn, base_model, loss_and_probe_batch
 from dptext.integrations.trainer_release import ReleaseListing, write_privacy_report
 from dptext.privacy import PrivacyEngine
@@ -141,16 +142,8 @@ class DPTrainer(ReleaseListing, Trainer):
                                                      "sequence": self.get_sp_size()})
         self.args = without_trainer_clipping(self.args)
         check_training_accountant(privacy.accountant)
-        if privacy.target_epsilon is None and privacy.noise_multiplier is None:
-            raise UserError("Give PrivacyArguments a target_epsilon (σ is calibrated to it) or a noise_multiplier.")
-        if privacy.target_epsilon is not None:  # NaN compared False everywhere: the budget was silently off
-            check_epsilon(privacy.target_epsilon)
-        if not (isinstance(privacy.max_grad_norm, (int, float)) and math.isfinite(privacy.max_grad_norm)
-                and privacy.max_grad_norm > 0):  # C = inf: no clipping at all, noise σ·C = inf
-            raise UserError(f"max_grad_norm (C) must be a positive finite number, got {privacy.max_grad_norm!r}.")
-        if privacy.noise_multiplier is not None and 0 < privacy.noise_multiplier < MIN_SIGMA:  # as the recipe bound
-            raise UserError(f"noise_multiplier={privacy.noise_multiplier:g} is below {MIN_SIGMA}, where ε is in the "
-                            "thousands or beyond (no meaningful privacy); raise it (or use 0 only to test clipping).")
+        check_privacy_arguments(privacy)
+        refuse_evaluation_on_training_data(self.eval_dataset, self.train_dataset)
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise UserError("DPTrainer needs a train_dataset with a length (Poisson sampling draws from all n "
                             "examples); materialise an iterable dataset first.")
@@ -191,6 +184,10 @@ class DPTrainer(ReleaseListing, Trainer):
             self.save_privacy_report(self.args.output_dir)
             self.refresh_release()
         return output
+
+    def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any):
+        refuse_evaluation_on_training_data(eval_dataset, self.train_dataset)
+        return super().evaluate(eval_dataset, *args, **kwargs)
 
     def set_initial_training_values(self, args, dataloader):
         values = super().set_initial_training_values(args, dataloader)
@@ -245,6 +242,7 @@ class DPTrainer(ReleaseListing, Trainer):
         model.train()
         total = torch.zeros((), dtype=torch.float64)
         for chunk in inputs.chunks:
+            refuse_left_padding(chunk)
             batch = {k: v.to(self.args.device) if torch.is_tensor(v) else v for k, v in chunk.items()}
             losses = self.loss_fn(model, batch)
             self.engine.accumulate(losses)

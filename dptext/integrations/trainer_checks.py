@@ -9,10 +9,14 @@ privacy, it is post-processing), so it is set to 0 with a warning.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from dptext.accounting.events import check_epsilon
+from dptext.accounting.pld import MIN_SIGMA
 from dptext.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -86,3 +90,40 @@ def refuse_gradient_reducing_wrapper(model: Any) -> None:
         raise UserError("accelerate wrapped the model in DistributedDataParallel, which would all-reduce raw "
                         "gradients outside the privacy engine; use clipping_mode='bookkeeping' or 'per_sample' "
                         "with several processes.")
+
+
+def check_privacy_arguments(privacy: Any) -> None:
+    """ε, σ and C as the recipe bounds them: a NaN ε compared False everywhere (the budget silently off), C = inf
+    clipped nothing (noise σ·C = inf), a σ below the accountants' floor gave ε in the thousands."""
+    if privacy.target_epsilon is None and privacy.noise_multiplier is None:
+        raise UserError("Give PrivacyArguments a target_epsilon (σ is calibrated to it) or a noise_multiplier.")
+    if privacy.target_epsilon is not None:
+        check_epsilon(privacy.target_epsilon)
+    if not (isinstance(privacy.max_grad_norm, (int, float)) and math.isfinite(privacy.max_grad_norm)
+            and privacy.max_grad_norm > 0):
+        raise UserError(f"max_grad_norm (C) must be a positive finite number, got {privacy.max_grad_norm!r}.")
+    if privacy.noise_multiplier is not None and 0 < privacy.noise_multiplier < MIN_SIGMA:
+        raise UserError(f"noise_multiplier={privacy.noise_multiplier:g} is below {MIN_SIGMA}, where ε is in the "
+                        "thousands or beyond (no meaningful privacy); raise it (or use 0 only to test clipping).")
+
+
+def refuse_evaluation_on_training_data(eval_dataset: Any, train_dataset: Any) -> None:
+    """Metrics on the training records are exact statistics of private data, not post-processing of the DP model,
+    and load_best_model_at_end, reduce_lr_on_plateau or early stopping would steer the weights by them (red team,
+    session 29). Only the same dataset object can be told; a copy of the training rows is the caller's to avoid."""
+    datasets = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+    if train_dataset is not None and any(data is train_dataset for data in datasets):
+        raise UserError("eval_dataset is the training data: its metrics are exact statistics of the private records "
+                        "that ε does not cover (and anything steered by them, such as load_best_model_at_end, "
+                        "would not be covered either); evaluate on held-out data.")
+
+
+def refuse_left_padding(batch: dict[str, Any]) -> None:
+    """A micro-batch padded on the left: most models number positions from the batch's left edge, so an example's
+    loss depended on the longest example it was batched with and one record moved the others' clipped gradients
+    (GPT-2, red team, session 29). Padding before a token is refused, whatever position_ids say."""
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask) and mask.ndim == 2 and bool(((mask[:, :-1] == 0) & (mask[:, 1:] != 0)).any()):
+        raise UserError("The data collator pads on the left (attention_mask has padding before tokens), so an "
+                        "example's positions, and its gradient, would depend on the other examples of its "
+                        "micro-batch; pad on the right (tokenizer.padding_side = 'right').")
