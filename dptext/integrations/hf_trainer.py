@@ -40,9 +40,9 @@ from dptext.errors import UserError
 from dptext.finetune.distributed import current as current_process_group
 from dptext.integrations.poisson_batches import LogicalBatch, PoissonBatches, model_input_collator
 from dptext.integrations.trainer_checks import (check_privacy_arguments, refuse_evaluation_on_training_data,
-                                                refuse_gradient_reducing_wrapper, refuse_left_padding,
-                                                refuse_unsupported_arguments, refuse_unsupported_launch,
-                                                without_trainer_clipping)
+                                                refuse_gradient_reducing_wrapper, refuse_hub_upload,
+                                                refuse_left_padding, refuse_unsupported_arguments,
+                                                refuse_unsupported_launch, without_trainer_clipping)
 from dptext.integrations.trainer_losses import BatchMaker, LossFn, base_model, loss_and_probe_batch
 from dptext.integrations.trainer_release import ReleaseListing, write_privacy_report
 from dptext.privacy import PrivacyEngine
@@ -136,6 +136,7 @@ class DPTrainer(ReleaseListing, Trainer):
         if kwargs.get("compute_loss_func") is not None:
             raise UserError("DPTrainer needs one loss per example, not compute_loss_func's batch loss; pass "
                             "per_example_loss=fn(model, batch) returning a (B,) tensor instead.")
+        refuse_hub_upload(kwargs.get("args", args[1] if len(args) > 1 else None))  # before the Trainer's hub set-up
         super().__init__(*args, **kwargs)
         refuse_unsupported_arguments(self.args)
         refuse_unsupported_launch(self.accelerator, {"tensor": self.get_tp_size(), "context": self.get_cp_size(),

@@ -127,3 +127,11 @@ def refuse_left_padding(batch: dict[str, Any]) -> None:
         raise UserError("The data collator pads on the left (attention_mask has padding before tokens), so an "
                         "example's positions, and its gradient, would depend on the other examples of its "
                         "micro-batch; pad on the right (tokenizer.padding_side = 'right').")
+
+
+def refuse_hub_upload(args: Any) -> None:
+    """push_to_hub uploads output_dir whole, the files release.json lists as not covered included."""
+    if getattr(args, "push_to_hub", False):
+        raise UserError("push_to_hub would upload output_dir whole, including files release.json lists as not "
+                        "covered by ε (trainer_state.json's per-step losses, train_results.json); set "
+                        "push_to_hub=False and upload the files release.json lists as covered or public.")
