@@ -235,11 +235,14 @@ def test_finetune_edp_public_scaling_single_process(shared_data, tmp_path):
     from dptext.finetune import run_finetune
 
     sst2 = shared_data / "sst2"
+    public = tmp_path / "public"  # not the training data: its dev split as the public set's train split
+    public.mkdir()
+    (public / "train.tsv").write_text((sst2 / "dev.tsv").read_text())
     recipe = load_recipe(None, [
         "model.name=tiny-bert", "data.dataset=sst2", f"data.path={sst2}", "task.type=classification",
         "eval.split=validation", "data.max_train_examples=32", "data.max_eval_examples=8", "data.max_length=48",
         "train.batch_size=8", "train.max_steps=3", "privacy.target_epsilon=8", "privacy.method=edp_sgd",
-        "privacy.edp_scaling=public", f"privacy.edp_public_path={sst2}", "privacy.edp_public_examples=8",
+        "privacy.edp_scaling=public", f"privacy.edp_public_path={public}", "privacy.edp_public_examples=8",
         "privacy.edp_micro_batches_per_device=2"])
     result = run_finetune(recipe, out=tmp_path / "run")
     mechanism = result["privacy"]["mechanism"]

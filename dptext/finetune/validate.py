@@ -70,6 +70,17 @@ def check_data(recipe: Any) -> None:
         if not privacy.edp_public_path or not Path(privacy.edp_public_path).exists():
             raise UserError("privacy.edp_scaling=public needs privacy.edp_public_path pointing to an existing file "
                             "or folder of public examples; set it, or use edp_scaling=uniform.")
+        if data.path and _overlapping_paths(Path(privacy.edp_public_path), Path(data.path)):
+            # its train split is the private training data: α would be first_step's, labelled as covered
+            raise UserError(f"privacy.edp_public_path '{privacy.edp_public_path}' is (or lies within) the private "
+                            f"training data '{data.path}', so α would be measured on private examples; point it at "
+                            "public examples, or say so with edp_scaling=first_step (not covered by ε).")
+
+
+def _overlapping_paths(first: Path, second: Path) -> bool:
+    """Whether one path is the other or lies inside it (after resolving links)."""
+    a, b = first.resolve(), second.resolve()
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
 
 
 def check_privacy(recipe: Any) -> None:

@@ -32,6 +32,8 @@ root-mean-square 1, floored at ``ALPHA_FLOOR``.
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,7 +42,8 @@ from torch import Tensor, nn
 from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.errors import UserError
 from dptext.accounting.pld import MIN_SIGMA
-from dptext.privacy.settings import check_noise
+from dptext.privacy.settings import check_noise, fixed_setting
+from dptext.privacy.proof.step_checks import refuse_foreign_step
 from dptext.privacy.clipping.sums import STABILITY
 from dptext.privacy.proof.edp_probe import probe_edp
 from dptext.privacy.engine import PrivacyEngine
@@ -62,6 +65,19 @@ def hashed_slots(record_ids: Sequence[bytes], slots: int, key: bytes) -> list[in
 SENSITIVITY_FACTOR = 2
 
 
+def check_alphas(alphas: dict[nn.Parameter, float] | None, scaling: str) -> None:
+    """α must be positive and finite (0, NaN or ∞ turn the clip or the noise into NaN/∞), and measured α are not
+    'uniform'."""
+    if alphas is None:
+        return
+    values = [float(a) for a in alphas.values()]
+    if any(not (math.isfinite(a) and a > 0) for a in values):
+        raise UserError("eDP-SGD's scaling α must be positive finite numbers, one per parameter tensor.")
+    if scaling == "uniform" and any(a != 1.0 for a in values):
+        raise UserError("scaling='uniform' means α = 1; for measured α say where they were measured: "
+                        "scaling='public' (public examples) or 'first_step' (private: not covered by ε).")
+
+
 class EDPEngine:
     """eDP-SGD for ``model`` and ``optimizer``; the training-loop interface of ``PrivacyEngine`` plus clipping units.
 
@@ -74,7 +90,7 @@ class EDPEngine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: float, sample_rate: float, dataset_size: int, micro_batches_per_device: int = 1,
-                 alphas: dict[nn.Parameter, float] | None = None, scaling: str = "uniform",
+                 alphas: dict[nn.Parameter, float] | None = None, scaling: str | None = None,
                  schedule: NoiseSchedule = CONSTANT, steps_per_epoch: int = 1, seed: int | RandomRoot | None = None,
                  secure_rng: bool = False, ledger: Callable[..., Any] | None = None, distributed: Any = None,
                  record_ids: Sequence[bytes] | None = None, verify: bool = True,
@@ -84,8 +100,11 @@ class EDPEngine:
         check_noise(noise_multiplier, max_grad_norm, floor=2 * MIN_SIGMA)  # accounted as z_0 / 2
         if micro_batches_per_device < 1:
             raise UserError("privacy.edp_micro_batches_per_device must be ≥ 1.")
-        if scaling not in SCALINGS:
+        if scaling is None:  # α given without saying where it was measured: never claimed as covered
+            scaling = "uniform" if alphas is None else "undeclared"
+        elif scaling not in SCALINGS:
             raise UserError(f"edp scaling must be one of {', '.join(SCALINGS)}, not '{scaling}'.")
+        check_alphas(alphas, scaling)
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -96,9 +115,9 @@ class EDPEngine:
         self.per_device = micro_batches_per_device
         self.slots = self.world_size * micro_batches_per_device
         self.sample_rate, self.dataset_size = float(sample_rate), dataset_size
-        self.max_grad_norm = float(max_grad_norm)
-        self.noise_multiplier = float(noise_multiplier)  # z_0
-        self.factor = SENSITIVITY_FACTOR
+        self._max_grad_norm = float(max_grad_norm)
+        self._noise_multiplier = float(noise_multiplier)  # z_0
+        self._factor = SENSITIVITY_FACTOR
         self.accounting_noise_multiplier = self.noise_multiplier / self.factor  # σ_0
         self.schedule, self.steps_per_epoch = schedule, steps_per_epoch
         self.scaling, self.alphas = scaling, alphas
@@ -117,11 +136,19 @@ class EDPEngine:
         self.verify_first, self._verifying, self._probe_args = bool(verify), False, (probe_batch, probe_loss)
         # the proof by default, as PrivacyEngine: before the first training forward, on synthetic inputs
         self._prove_hook = model.register_forward_pre_hook(self._prove_before_first_forward, prepend=True)
+        # as PrivacyEngine: the optimizer updates only on the engine's privatized gradients (a plain backward +
+        # optimizer.step() would apply raw, unclipped, un-noised gradients that the ledger never sees)
+        self._step_guard = optimizer.register_step_pre_hook(partial(refuse_foreign_step, self))
         self.dp_optimizer = DPOptimizer(
             optimizer, self.params, self.noise_multiplier, self.max_grad_norm, self.slots,
             NoiseSource(self.root, secure_rng, rank),
             reduce=self.distributed.all_reduce_sum if self.distributed else None,
             adds_noise=self.distributed is None or self.distributed.rank == 0, scale=alphas)
+
+    # σ, C and the sensitivity factor define the guarantee: fixed for the life of the engine (SPEC §11)
+    noise_multiplier = fixed_setting("noise_multiplier")
+    max_grad_norm = fixed_setting("max_grad_norm")
+    factor = fixed_setting("factor")
 
     def _set_slot_rule(self, record_ids: Sequence[bytes] | None, rank: int) -> None:
         """Slot = a keyed hash of the record id, or (no ids, one process) a fresh draw per step: a choice made by
@@ -191,6 +218,13 @@ class EDPEngine:
             raise UserError("Pass one loss per example (a 1-D tensor), not a batch-averaged scalar.")
         if per_example_loss.numel() == 0:
             return
+        if self._unit_examples == 0 and any(param.grad is not None for param in self.params):
+            # a backward the engine did not issue (e.g. over the whole batch) would join this unit's clip: each
+            # example would then move two units, 4C where 2C is accounted
+            self.zero_grad()
+            raise UserError("A gradient not issued by the engine is in .grad at the start of a micro-batch (a plain "
+                            "loss.backward()?); only engine.accumulate may compute gradients of private data. "
+                            "Call engine.zero_grad() to drop it.")
         per_example_loss.float().sum().backward()
         self._unit_examples += per_example_loss.numel()
 
@@ -224,6 +258,11 @@ class EDPEngine:
             self.accumulate(per_example_loss)
         self.close_unit()
         z_t, sigma_t = self.noise_multiplier_at(self.steps)
+        try:
+            self._check_floor(sigma_t, self.steps)  # before the update: a step below the floor never happens
+        except UserError:
+            self.zero_grad()
+            raise
         self.dp_optimizer.noise_multiplier = z_t
         self.dp_optimizer.step()
         self.steps += 1
@@ -241,17 +280,32 @@ class EDPEngine:
         return dict(self.dp_optimizer.summed)
 
     # ------------------------------------------------------------------ sampling, accounting, state
+    def _check_floor(self, sigma: float, step: int) -> None:
+        if self.noise_multiplier > 0 and not sigma >= MIN_SIGMA:
+            raise UserError(f"The noise schedule {self.schedule.describe()} brings the accounted noise multiplier to "
+                            f"{sigma:.3g} at step {step}, below {MIN_SIGMA} where ε is astronomically large and no "
+                            "accountant can compute it; lower privacy.noise_decay_rate or the steps, or raise z_0.")
+
+    def lowest_sigma(self, steps: int) -> tuple[float, int]:
+        """The smallest accounted σ_t over steps [0, steps) and its step (the schedule is constant per epoch)."""
+        starts = range(0, max(steps, 1), self.steps_per_epoch)
+        return min((self.schedule.sigma_at(self.accounting_noise_multiplier, s, self.steps_per_epoch), s)
+                   for s in starts)
+
     def sampler(self, steps: int):
+        self._check_floor(*self.lowest_sigma(self.steps + steps))  # refused before the first step, not mid-run
         self._sampler = make_sampler(self.dataset_size, self.sample_rate, steps, self.root, "poisson",
                                      self.distributed, shard=self.shard())
         return self._sampler
 
     def mechanism(self) -> dict[str, Any]:
         """The guarantee and its unit, for the run summary and the ledger."""
-        leaks = self.scaling == "first_step"
+        leaks = self.scaling in ("first_step", "undeclared")
         guarantee = (f"example-level (ε, δ); clipping unit: micro-batch, sensitivity {self.factor}C "
                      f"(accounted σ_t = z_t/{self.factor})")
-        if leaks:
+        if self.scaling == "undeclared":
+            guarantee += "; α passed without saying where it was measured (scaling=...) is NOT covered"
+        elif leaks:
             guarantee += "; α measured on private data is NOT covered"
         unit = {"keyed_hash": "micro-batch (slot = keyed hash of the record id)",
                 "draw_per_step": "micro-batch (slot drawn independently per example and step)"}[self.slot_rule]
@@ -287,5 +341,6 @@ class EDPEngine:
                 self._sampler.shard = torch.tensor(self.shard(), dtype=torch.long)
 
     def detach(self) -> None:
-        """Remove the proof's forward pre-hook (eDP-SGD uses plain autograd, no other hooks)."""
+        """Remove the proof's forward pre-hook and the optimizer's step guard (eDP-SGD uses plain autograd)."""
         self._prove_hook.remove()
+        self._step_guard.remove()
