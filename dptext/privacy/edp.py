@@ -32,7 +32,6 @@ root-mean-square 1, floored at ``ALPHA_FLOOR``.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -50,8 +49,10 @@ from dptext.privacy.engine import PrivacyEngine
 from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
 from dptext.privacy.clipping.call_checks import refuse_mode_around
 from dptext.privacy.clipping.plan import _check_optimizer
-from dptext.privacy.edp_scaling import ALPHA_FLOOR, SCALINGS, alphas_from_gradients  # noqa: F401 (re-exported)
-from dptext.privacy.noise.randomness import RandomRoot, keyed_hash, randomness_note
+from dptext.privacy.edp_mechanism import check_floor, describe, lowest_sigma
+from dptext.privacy.edp_scaling import (ALPHA_FLOOR, SCALINGS, alphas_from_gradients,  # noqa: F401 (re-exported)
+                                        check_alphas)
+from dptext.privacy.noise.randomness import RandomRoot, keyed_hash
 from dptext.privacy.sampling.sampler import make_sampler
 
 
@@ -63,19 +64,6 @@ def hashed_slots(record_ids: Sequence[bytes], slots: int, key: bytes) -> list[in
 # Adding or removing one example moves its slot's clipped gradient by up to 2C, whatever M and n are (see the
 # module docstring: a factor chosen from n would make the mechanism itself depend on the data)
 SENSITIVITY_FACTOR = 2
-
-
-def check_alphas(alphas: dict[nn.Parameter, float] | None, scaling: str) -> None:
-    """α must be positive and finite (0, NaN or ∞ turn the clip or the noise into NaN/∞), and measured α are not
-    'uniform'."""
-    if alphas is None:
-        return
-    values = [float(a) for a in alphas.values()]
-    if any(not (math.isfinite(a) and a > 0) for a in values):
-        raise UserError("eDP-SGD's scaling α must be positive finite numbers, one per parameter tensor.")
-    if scaling == "uniform" and any(a != 1.0 for a in values):
-        raise UserError("scaling='uniform' means α = 1; for measured α say where they were measured: "
-                        "scaling='public' (public examples) or 'first_step' (private: not covered by ε).")
 
 
 class EDPEngine:
@@ -259,7 +247,7 @@ class EDPEngine:
         self.close_unit()
         z_t, sigma_t = self.noise_multiplier_at(self.steps)
         try:
-            self._check_floor(sigma_t, self.steps)  # before the update: a step below the floor never happens
+            check_floor(self, sigma_t, self.steps)  # before the update: a step below the floor never happens
         except UserError:
             self.zero_grad()
             raise
@@ -280,49 +268,15 @@ class EDPEngine:
         return dict(self.dp_optimizer.summed)
 
     # ------------------------------------------------------------------ sampling, accounting, state
-    def _check_floor(self, sigma: float, step: int) -> None:
-        if self.noise_multiplier > 0 and not sigma >= MIN_SIGMA:
-            raise UserError(f"The noise schedule {self.schedule.describe()} brings the accounted noise multiplier to "
-                            f"{sigma:.3g} at step {step}, below {MIN_SIGMA} where ε is astronomically large and no "
-                            "accountant can compute it; lower privacy.noise_decay_rate or the steps, or raise z_0.")
-
-    def lowest_sigma(self, steps: int) -> tuple[float, int]:
-        """The smallest accounted σ_t over steps [0, steps) and its step (the schedule is constant per epoch)."""
-        starts = range(0, max(steps, 1), self.steps_per_epoch)
-        return min((self.schedule.sigma_at(self.accounting_noise_multiplier, s, self.steps_per_epoch), s)
-                   for s in starts)
-
     def sampler(self, steps: int):
-        self._check_floor(*self.lowest_sigma(self.steps + steps))  # refused before the first step, not mid-run
+        check_floor(self, *lowest_sigma(self, self.steps + steps))  # refused before the first step, not mid-run
         self._sampler = make_sampler(self.dataset_size, self.sample_rate, steps, self.root, "poisson",
                                      self.distributed, shard=self.shard())
         return self._sampler
 
     def mechanism(self) -> dict[str, Any]:
-        """The guarantee and its unit, for the run summary and the ledger."""
-        leaks = self.scaling in ("first_step", "undeclared")
-        guarantee = (f"example-level (ε, δ); clipping unit: micro-batch, sensitivity {self.factor}C "
-                     f"(accounted σ_t = z_t/{self.factor})")
-        if self.scaling == "undeclared":
-            guarantee += "; α passed without saying where it was measured (scaling=...) is NOT covered"
-        elif leaks:
-            guarantee += "; α measured on private data is NOT covered"
-        unit = {"keyed_hash": "micro-batch (slot = keyed hash of the record id)",
-                "draw_per_step": "micro-batch (slot drawn independently per example and step)"}[self.slot_rule]
-        return {"method": "edp_sgd", "unit": unit, "slot_rule": self.slot_rule, "sampling": "poisson",
-                "randomness": randomness_note(self.root), "noise_secret": self.root.secret,
-                "sensitivity": self.factor * self.max_grad_norm, "sensitivity_factor": self.factor,
-                "guarantee": guarantee, "processes": self.world_size, "micro_batches_per_device": self.per_device,
-                "slots": self.slots, "z0": self.noise_multiplier,
-                "accounting_noise_multiplier_0": self.accounting_noise_multiplier,
-                "noise_schedule": self.schedule.describe(), "steps_per_epoch": self.steps_per_epoch,
-                "scaling": self.scaling, "scaling_leaks": leaks,
-                "noise": "N(0, (C·z_t)²) in the scaled space once per step" + (
-                    " on rank 0" if self.world_size > 1 else "") + ", then ×α_l",
-                "clipping_verified": self.verified,
-                "clipping": "exact: the start-up probe compared the slot sums with brute-force autograd" if
-                self.verified else "NOT VERIFIED: the start-up probe has not run" + (
-                    " (verify=False); exactness rests on plain autograd alone" if not self.verify_first else "")}
+        """The guarantee and its unit, for the run summary and the ledger (``edp_mechanism.describe``)."""
+        return describe(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Steps, the noise generators and the slot stream; the slot key too (the checkpoint is as secret as the

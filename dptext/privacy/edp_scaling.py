@@ -20,3 +20,16 @@ def alphas_from_gradients(grads: dict[nn.Parameter, Tensor]) -> dict[nn.Paramete
         raise UserError("The gradient that sets eDP-SGD's scaling α is zero or not finite; use more (or other) "
                         "examples for it, or privacy.edp_scaling=uniform.")
     return {param: max(n / rms, ALPHA_FLOOR) for param, n in norms.items()}
+
+
+def check_alphas(alphas: dict[nn.Parameter, float] | None, scaling: str) -> None:
+    """α must be positive and finite (0, NaN or ∞ turn the clip or the noise into NaN/∞), and measured α are not
+    'uniform'."""
+    if alphas is None:
+        return
+    values = [float(a) for a in alphas.values()]
+    if any(not (math.isfinite(a) and a > 0) for a in values):
+        raise UserError("eDP-SGD's scaling α must be positive finite numbers, one per parameter tensor.")
+    if scaling == "uniform" and any(a != 1.0 for a in values):
+        raise UserError("scaling='uniform' means α = 1; for measured α say where they were measured: "
+                        "scaling='public' (public examples) or 'first_step' (private: not covered by ε).")
