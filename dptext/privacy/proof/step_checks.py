@@ -123,6 +123,7 @@ UNITS_WITHOUT_USER_SAMPLER = (
     "batches come from engine.sampler(), not engine.user_sampler()), and one example could move its unit's clipped "
     "sum by 2C; draw the batches with engine.user_sampler(users, max_examples_per_user, steps), or pass units=None.")
 
+
 def check_loss(engine, per_example_loss: Tensor, units: Tensor | None) -> None:
     """What ``accumulate`` is given: one loss per example that depends on a trained layer (an empty micro-batch
     need not), and no units across processes; and that it runs inside no user mode (``refuse_mode_around``)."""
