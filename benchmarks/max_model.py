@@ -188,9 +188,9 @@ def rss_of(pid: int) -> int:
 
 def trial(mode: str, layers: int, args) -> dict:
     """Run one (mode, L) in a child process; kill it above the cap (CPU)."""
-    if mode.endswith("fsdp2") and args.device == "cuda" and gpus() < RANKS:
+    if mode.endswith("fsdp2") and args.device == "cuda" and (count := gpus()) < RANKS:
         return {"mode": mode, "layers": layers, "fits": None,
-                "why": f"not run: FSDP2 takes one GPU per rank ({RANKS} ranks) and this machine has {gpus()}"}
+                "why": f"not run: FSDP2 takes one GPU per rank ({RANKS} ranks) and this machine has {count}"}
     command = [sys.executable, __file__, "--child", mode, "--layers", str(layers), "--device", args.device,
                "--batch", str(args.batch), "--length", str(args.length)]
     if mode.endswith("fsdp2"):

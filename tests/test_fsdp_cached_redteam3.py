@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from fsdp_models import VOCAB, WIDTH, Block, TinyLM, losses, shard, token_ids
 from test_fsdp_probe_gathers import without_copies
-from two_ranks import run_two_ranks
+from two_ranks import CASES_VARIABLE, run_cases
 
 TIMEOUT = 240
 C = 0.5
@@ -160,7 +161,7 @@ def worker(out: Path) -> None:
     ctx = current("cpu")
     ctx.sharded = True
     results: dict = {}
-    for name in os.environ.get("KEPT_CASES", "").split(","):
+    for name in os.environ.get(CASES_VARIABLE, "").split(","):
         if name in VERDICTS:
             results[name] = verdict(ctx, *VERDICTS[name])
         elif name.startswith("leak_"):
@@ -169,9 +170,7 @@ def worker(out: Path) -> None:
     release()
 
 
-def launch(out: Path, cases: list[str], timeout: float | None = None) -> list:
-    """This file as 2 gloo ranks, running ``cases``."""
-    return run_two_ranks(__file__, out, timeout or TIMEOUT, env={"KEPT_CASES": ",".join(cases)})
+launch = partial(run_cases, __file__, TIMEOUT)  # this file as 2 gloo ranks, running the cases given
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from fsdp_models import VOCAB, WIDTH, TinyLM, losses, shard, token_ids
-from two_ranks import run_two_ranks
+from two_ranks import CASES_VARIABLE, run_cases
 
 TIMEOUT = 300
 HERE = Path(__file__).resolve().parent.parent
@@ -199,7 +200,7 @@ def worker(out: Path) -> None:
 
     ctx = current("cpu")
     ctx.sharded = True
-    wanted = os.environ.get("KEPT_CASES", ",".join(CASES)).split(",")
+    wanted = os.environ.get(CASES_VARIABLE, ",".join(CASES)).split(",")
     results = {name: verdict(ctx, *{**CASES, **MIXED}[name]) for name in wanted}
     if not set(wanted) <= set(MIXED):
         results["leak"] = training_leak(ctx, "block", "data")
@@ -209,9 +210,7 @@ def worker(out: Path) -> None:
     release()
 
 
-def launch(out: Path, cases: list[str], timeout: float | None = None) -> list:
-    """This file as 2 gloo ranks, running ``cases``."""
-    return run_two_ranks(__file__, out, timeout or TIMEOUT, env={"KEPT_CASES": ",".join(cases)})
+launch = partial(run_cases, __file__, TIMEOUT)  # this file as 2 gloo ranks, running the cases given
 
 
 @pytest.fixture(scope="module")

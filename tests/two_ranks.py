@@ -101,3 +101,11 @@ def run_process_group(command: list[str], timeout: float, **kwargs) -> subproces
         proc.communicate()
         raise
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+CASES_VARIABLE = "KEPT_CASES"  # the cases a red-team file's ranks run (its __main__ reads it)
+
+
+def run_cases(script: str, default_timeout: float, out: Path, cases: list[str], timeout: float | None = None) -> list:
+    """``script`` as 2 gloo ranks running ``cases`` (bind ``script`` and its timeout with functools.partial)."""
+    return run_two_ranks(script, out, timeout or default_timeout, env={CASES_VARIABLE: ",".join(cases)})

@@ -80,6 +80,11 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
     return Calibration(method, sigma, epsilon_at(sigma), target, delta, approximate=(method == "gdp"))
 
 
+
+def calibrate_one_mechanism(target_epsilon: float, delta: float, method: str = "rdp") -> Calibration:
+    """σ of a single Gaussian mechanism (q = 1, one step): what a matrix-factorization run is (SPEC §12)."""
+    return calibrate_noise_multiplier(target_epsilon, delta, 1.0, 1, method=method)
+
 def _calibrated_epsilon(method, runs, delta, conversion, prv_bound, prv_eps_error, problems) -> float:
     result = compute_epsilon(method, runs, delta, conversion, prv_eps_error)
     value = result.upper if (method == "prv" and prv_bound == "upper") else result.epsilon

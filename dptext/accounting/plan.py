@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dptext import data
-from dptext.accounting.calibrate import calibrate_noise_multiplier
+from dptext.accounting.calibrate import calibrate_noise_multiplier, calibrate_one_mechanism
 from dptext.accounting.events import (
     check_large_delta,
     check_sample_rate,
@@ -133,7 +133,7 @@ def recipe_plan(recipe: Any, train_size: Callable[[Any], int] | None = None, tar
     edp = privacy.method == "edp_sgd"
     target = target_epsilon if target_epsilon is not None else privacy.target_epsilon
     if privacy.mechanism in ("banded_mf", "blt"):  # one Gaussian mechanism, no amplification (finetune/banded_mf.py)
-        calibration = calibrate_noise_multiplier(target, plan.delta, 1.0, 1, method=privacy.accountant)
+        calibration = calibrate_one_mechanism(target, plan.delta, privacy.accountant)
         found["notes"].append(f"{privacy.mechanism}: σ of one Gaussian mechanism (q = 1, one step, no amplification "
                               "by sampling), drawn before the strategy's filter")
     else:

@@ -14,7 +14,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from dptext.accounting import PrivacyLedger, calibrate_noise_multiplier
+from dptext.accounting import PrivacyLedger
+from dptext.accounting.calibrate import calibrate_one_mechanism
 from dptext.accounting.banded_mf import Participation
 from dptext.accounting.blt_strategy import optimize_blt
 from dptext.accounting.mf_strategy import optimize_banded
@@ -48,8 +49,7 @@ def mf_noise_multiplier(privacy: Any, delta: float) -> float:
         return privacy.noise_multiplier
     if privacy.target_epsilon is None:
         raise UserError("Set privacy.target_epsilon (or privacy.noise_multiplier) for a matrix-factorization run.")
-    return calibrate_noise_multiplier(privacy.target_epsilon, delta, 1.0, 1, method=privacy.accountant
-                                      ).noise_multiplier
+    return calibrate_one_mechanism(privacy.target_epsilon, delta, privacy.accountant).noise_multiplier
 
 
 def build_banded_mf(training: Any, dist: Any, probe_now: bool = True) -> None:

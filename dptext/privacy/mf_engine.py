@@ -97,13 +97,6 @@ class CorrelatedNoiseEngine(PrivacyEngine, metaclass=ABCMeta):
         super().replan(verify, make_batch, loss_fn)
         self._wrap_noise()
 
-    def accumulate(self, per_example_loss, units=None):
-        if units is not None:  # per-unit clipping: one example could move its unit's clipped sum by 2C
-            raise UserError(f"The {self.label} noise is accounted example-level (sensitivity C per participation); "
-                            "clipping units of several examples is user-level DP, which it does not cover. Pass "
-                            "units=None (every example its own unit).")
-        return super().accumulate(per_example_loss)
-
     def step(self, per_example_loss=None) -> None:
         if self.steps >= self.planned_steps:
             raise UserError(f"The {self.label} strategy was accounted for {self.planned_steps} steps and they are "
