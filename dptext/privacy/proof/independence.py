@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dptext.privacy.proof.reference import ReferenceFailed, same_randomness
-from dptext.privacy.proof.sharded_probe import anywhere
+from dptext.privacy.proof.sharded_probe import anywhere, view_of
 
 
 def with_row(batch: dict[str, Any], fresh: dict[str, Any], example: int) -> dict[str, Any]:
@@ -69,18 +69,48 @@ def check_redrawn_examples(engine, report, redraw, loss_fn, device, loss, rows_b
     """Re-draw each example's tokens in turn, with the hooks: every other example's loss and every other row of
     every recorded input must stay put (the loss is per example, and rows are examples). One hooked pass per
     example checks both; ``loss`` and ``rows_before`` come from the hooked pass of the unchanged batch, so all
-    the values compared are computed the same way (see ``check_loss_independence``)."""
+    the values compared are computed the same way (see ``check_loss_independence``). Under sharding the ranks
+    share the re-draws (``redraws_of_this_rank``) and every rank refuses the layers any rank saw move."""
     engine.recorder.take_uses()
     engine.recorder.probing = True
     before = _by_occurrence(rows_before)
-    for example in range(len(loss)):
+    view = view_of(engine)
+    rank, world_size = (view.rank, view.world_size) if view is not None else (0, 1)
+    moved: dict = {}  # (ordered: the refusals in the order found)
+    for example in redraws_of_this_rank(len(loss), rank, world_size):
         other, after = _hooked_pass(engine, redraw(example), loss_fn, device)
         keep = others(loss, example)
         if anywhere(engine, other.shape != loss.shape or not same_values(other[keep], loss[keep])):
             report.loss_problem = LOSSES_INTERACT
-            return
-        for module in _moved_rows(before, after, keep, len(loss), same_values):
-            report.refuse(module, ROWS_INTERACT)
+            break  # (every rank stops at the same pass: the stop is decided over all ranks)
+        moved.update(dict.fromkeys(_moved_rows(before, after, keep, len(loss), same_values)))
+    for module in moved_anywhere(engine, moved):
+        report.refuse(module, ROWS_INTERACT)
+
+
+def redraws_of_this_rank(examples: int, rank: int, world_size: int) -> list[int]:
+    """The examples one rank re-draws: every one in one process. Under sharding each re-drawn pass runs on one
+    rank only — rank r takes r, r + N, … — so the probe's passes fall with the ranks as a step's share of the batch
+    does (on N ranks a step's per-rank batch is 1/N of the whole, the probe's is not). Every pass is a collective,
+    so every rank runs as many passes: one with none left re-draws its first example again. The batch itself, and
+    so the values every re-draw is compared with, is the same on every rank (``check_same_batch``)."""
+    if world_size <= 1:
+        return list(range(examples))
+    passes = -(-examples // world_size)
+    mine = list(range(rank, examples, world_size)) or [rank % examples]
+    return [mine[i] if i < len(mine) else mine[0] for i in range(passes)]
+
+
+def moved_anywhere(engine, moved: dict) -> list:
+    """The layers whose rows moved: on this rank, or under sharding on any rank (in the engine's order), so that
+    every rank refuses the same layers (the ranks' reports are compared at the end)."""
+    if view_of(engine) is None:
+        return list(moved)
+    names = [engine.names[module] for module in engine.tracked if module in moved]
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, names)
+    anywhere_moved = {name for each in everyone for name in each}
+    return [module for module in engine.tracked if engine.names[module] in anywhere_moved]
 
 
 def _by_occurrence(rows) -> dict[tuple, Tensor | None]:
@@ -130,15 +160,18 @@ def check_training_precision(engine, report, batch, redraw, loss_fn, autocast_dt
         with torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext(), \
                 torch.enable_grad():
             loss, rows = _hooked_pass(engine, batch, loss_fn, device)
-            for example in range(len(loss)):
+            ranks = engine.distributed if engine.distributed is not None and engine.distributed.active else None
+            for example in redraws_of_this_rank(len(loss), ranks.rank, ranks.world_size) if ranks is not None \
+                    else range(len(loss)):  # (the ranks share the re-draws, as ``check_redrawn_examples``)
                 other, other_rows = _hooked_pass(engine, redraw(example), loss_fn, device)
                 keep = others(loss, example)
-                problem = IN_TRAINING_PRECISION if other.shape != loss.shape or not close(other[keep], loss[keep]) \
-                    else ROWS_IN_TRAINING_PRECISION if _moved_rows(rows, other_rows, keep, len(loss), close) else None
-                if engine.distributed.any_rank(bool(problem), device) if engine.distributed is not None \
-                        else problem:
-                    report.loss_problem = (problem or IN_TRAINING_PRECISION).format(
-                        str(computes_in).removeprefix("torch."))
+                loss_moved = other.shape != loss.shape or not close(other[keep], loss[keep])
+                rows_moved = bool(_moved_rows(rows, other_rows, keep, len(loss), close))
+                if ranks is not None:  # every rank names the same finding
+                    loss_moved, rows_moved = ranks.any_rank(loss_moved, device), ranks.any_rank(rows_moved, device)
+                if loss_moved or rows_moved:
+                    report.loss_problem = (IN_TRAINING_PRECISION if loss_moved else ROWS_IN_TRAINING_PRECISION) \
+                        .format(str(computes_in).removeprefix("torch."))
                     return
     except RuntimeError as error:  # the model's own forward fails in that precision: nothing is proven there
         raise ReferenceFailed(type(error).__name__) from error

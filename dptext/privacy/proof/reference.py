@@ -10,10 +10,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from dptext.privacy.clipping import sums as clipping
-from dptext.privacy.proof.sharded_probe import view_of
+from dptext.privacy.proof.sharded_probe import anywhere, view_of
 
 
 @contextmanager
@@ -58,7 +59,8 @@ class Reference:
     36M-parameter Llama, 9.2 without (``benchmarks/probe_memory.py``)."""
 
     def __init__(self, engine, batch, loss_fn, device, params: list[nn.Parameter],
-                 other_norms_sq: dict[nn.Parameter, Tensor] | None = None, examples: set[int] | None = None):
+                 other_norms_sq: dict[nn.Parameter, Tensor] | None = None, examples: set[int] | None = None,
+                 uncounted: int | None = None):
         params = list(params)
         view = view_of(engine)  # sharded: differentiate what the layers compute with, the gathered parameters,
         targets = [view.target(p) for p in params] if view is not None else params  # and see any path through a
@@ -75,6 +77,8 @@ class Reference:
             for i in range(len(loss) if loss.ndim == 1 else 0):
                 if examples is not None and i not in examples:  # weighted 0 in the engine's pass: its exact
                     squares.append({p: loss.new_zeros(1, dtype=torch.float64) for p in params})  # gradient is 0
+                    if i == uncounted:  # a sharded rank with no example of its own: the backward is a collective
+                        _example_gradient(loss[i], targets, shards, set())
                     continue
                 row = _example_gradient(loss[i], targets, shards, self.shard_reads)
                 norms = {p: squared_norm(g) for g, p in zip(row, params)}
@@ -92,8 +96,26 @@ class Reference:
         self.sums += [torch.zeros(t.shape, dtype=reference_dtype(p), device=t.device)  # (t: p's whole shape)
                       for p, t in list(zip(params, targets))[len(self.sums):]]
         self.norms_sq = {p: torch.cat([each[p] for each in squares]) if squares else None for p in params}
+        self._shards = shards
         if not bool(torch.isfinite(self.loss).all()):
             raise ReferenceFailed("non-finite losses or gradients")
+
+
+    def add_over_ranks(self) -> None:
+        """Sharded, the ranks having shared the examples (``reference_gradients``): the norms and clipped sums
+        summed over the ranks (each example was counted on one rank, the others count 0 there), and the shards any
+        rank's backward reached."""
+        with_norms = [p for p in self.params if self.norms_sq[p] is not None]
+        if with_norms:
+            norms = torch.stack([self.norms_sq[p] for p in with_norms])
+            dist.all_reduce(norms)
+            self.norms_sq.update({p: norms[k] for k, p in enumerate(with_norms)})
+        for total in self.sums:
+            dist.all_reduce(total)
+        reached = [k for k, shard in enumerate(self._shards) if shard in self.shard_reads]
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, reached)
+        self.shard_reads = {self._shards[k] for each in everyone for k in each}
 
 
 def reference_dtype(param: Tensor) -> torch.dtype:
@@ -147,9 +169,39 @@ def squared_distance(got: Tensor, expected: Tensor) -> Tensor:
 
 def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=None, examples=None) -> Reference:
     """The reference for one probe batch (``Reference``); a failure of plain autograd is ``ReferenceFailed``.
-    ``examples``: the examples whose gradients are taken (None: all); the others count with gradient 0."""
+    ``examples``: the examples whose gradients are taken (None: all); the others count with gradient 0.
+
+    Under sharding the ranks share the examples (``shared_examples``): each takes its own examples' backward
+    passes, and the norms and clipped sums are then summed over the ranks — each example counted on one rank —
+    so every rank holds the whole reference, as if it had taken them all (a failure on any rank fails all)."""
+    view = view_of(engine)
+    if view is None or examples is None:
+        return _reference(engine, batch, loss_fn, device, params, other_norms_sq, examples)
+    own, uncounted = shared_examples(sorted(examples), view.rank, view.world_size)
+    failed = None
     try:
-        return Reference(engine, batch, loss_fn, device, params, other_norms_sq, examples)
+        reference = _reference(engine, batch, loss_fn, device, params, other_norms_sq, own, uncounted)
+    except ReferenceFailed as error:  # (after this rank's backward passes: the others are at the vote below)
+        failed = error
+    if anywhere(engine, failed is not None):
+        raise failed or ReferenceFailed("on another rank")
+    reference.add_over_ranks()
+    return reference
+
+
+def shared_examples(examples: list[int], rank: int, world_size: int) -> tuple[set[int], int | None]:
+    """This rank's share of the compared examples — the i-th to rank i mod N — and, for a rank left without one
+    (more ranks than examples), one example whose backward pass it runs without counting it (each backward pass
+    is a collective under FSDP2, so every rank runs as many)."""
+    own = set(examples[rank::world_size])
+    passes = -(-len(examples) // world_size)
+    uncounted = examples[rank % len(examples)] if len(own) < passes and examples else None
+    return own, uncounted
+
+
+def _reference(engine, batch, loss_fn, device, params, other_norms_sq, examples, uncounted=None) -> Reference:
+    try:
+        return Reference(engine, batch, loss_fn, device, params, other_norms_sq, examples, uncounted)
     except RuntimeError as error:
         if isinstance(error, ReferenceFailed):
             raise

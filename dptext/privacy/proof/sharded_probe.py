@@ -9,8 +9,10 @@ with respect to them (whole gradients of the compared layers only, one per use p
 sums come back reduce-scattered: each rank holds its rows of the sum over the ranks, and every rank ran the same
 batch, so they are world_size × the one-process sums; each rank compares its rows with the same rows of the
 reference, and one all-reduce of the squared differences gives every rank the same verdict. Every forward and
-backward is a collective here, so the probe's control flow must not depend on the rank: its inputs are the
-same everywhere, and the ranks' final reports are compared (a difference is refused).
+backward is a collective here, so the probe's control flow must not depend on the rank: its batch is the same
+everywhere, every rank makes as many passes, and the ranks' final reports are compared (a difference is refused).
+The per-example passes are shared by the ranks (``independence.redraws_of_this_rank``,
+``reference.shared_examples``): each re-drawn example and each compared example's backward pass runs on one rank.
 """
 
 from __future__ import annotations
