@@ -16,8 +16,8 @@ privacy. A ``PrivacyEngine`` runs it before the model's first training forward u
 4. re-draws one example at a time (its row of every tensor of the batch) with the hooks: every other example's
    loss and every other row of every recorded input must stay put (the loss is per example, rows are examples).
 5. where training computes in another precision than these comparisons (bf16 autocast or an FSDP2 bf16 policy;
-   fp32 against the fp64 probe), re-draws the first and the last example once more in that precision, without
-   hooks: no other example's loss may move (``independence.check_training_precision``).
+   fp32 against the fp64 probe), re-draws every example once more in that precision, with the hooks and autograd
+   on as in training: no other example's loss nor row may move (``independence.check_training_precision``).
 Any finding names the layer; ``ProbeReport.raise_if_refused`` turns the first into one sentence. The first shape
 runs on the whole model; the second on each block stack cut after its last block that differs (``proof.stack``)
 and, with the default batch, on the first rows of the vocabulary (``proof.vocabulary``). On an FSDP2-sharded model
