@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dptext.privacy.proof.reference import ReferenceFailed, same_randomness
-from dptext.privacy.proof.sharded_probe import anywhere, view_of
+from dptext.privacy.proof.sharded_probe import anywhere, raise_on_every_rank, view_of
 
 
 def with_row(batch: dict[str, Any], fresh: dict[str, Any], example: int) -> dict[str, Any]:
@@ -77,8 +77,9 @@ def check_redrawn_examples(engine, report, redraw, loss_fn, device, loss, rows_b
     view = view_of(engine)
     rank, world_size = (view.rank, view.world_size) if view is not None else (0, 1)
     moved: dict = {}  # (ordered: the refusals in the order found)
+    ranks = engine.distributed if view is not None else None
     for example in redraws_of_this_rank(len(loss), rank, world_size):
-        other, after = _hooked_pass(engine, redraw(example), loss_fn, device)
+        other, after = _shared_pass(engine, ranks, redraw(example), loss_fn, device)
         keep = others(loss, example)
         if anywhere(engine, other.shape != loss.shape or not same_values(other[keep], loss[keep])):
             report.loss_problem = LOSSES_INTERACT
@@ -163,7 +164,7 @@ def check_training_precision(engine, report, batch, redraw, loss_fn, autocast_dt
             ranks = engine.distributed if engine.distributed is not None and engine.distributed.active else None
             for example in redraws_of_this_rank(len(loss), ranks.rank, ranks.world_size) if ranks is not None \
                     else range(len(loss)):  # (the ranks share the re-draws, as ``check_redrawn_examples``)
-                other, other_rows = _hooked_pass(engine, redraw(example), loss_fn, device)
+                other, other_rows = _shared_pass(engine, ranks, redraw(example), loss_fn, device)
                 keep = others(loss, example)
                 loss_moved = other.shape != loss.shape or not close(other[keep], loss[keep])
                 rows_moved = bool(_moved_rows(rows, other_rows, keep, len(loss), close))
@@ -188,6 +189,19 @@ def _hooked_pass(engine, batch, loss_fn, device) -> tuple[Tensor, dict]:
     rows = _by_occurrence((use.module, _first_tensor(use.activation)) for use in engine.recorder.uses)
     engine.recorder.take_uses()
     return loss, rows
+
+
+def _shared_pass(engine, ranks, batch, loss_fn, device) -> tuple[Tensor, dict]:
+    """``_hooked_pass`` of one rank's re-draw: the ranks re-draw different examples, so a forward that fails on
+    one re-drawn batch fails on one rank only; it is raised on every rank (``raise_on_every_rank``) before the
+    next collective, as it was where every rank ran every re-draw. ``ranks``: None in one process."""
+    failed = result = None
+    try:
+        result = _hooked_pass(engine, batch, loss_fn, device)
+    except Exception as error:  # noqa: BLE001 - whatever the model raises, every rank raises it
+        failed = error
+    raise_on_every_rank(ranks, failed, device)
+    return result
 
 
 def _close_in_half(a: Tensor, b: Tensor) -> bool:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dptext.privacy.clipping import sums as clipping
-from dptext.privacy.proof.sharded_probe import anywhere, view_of
+from dptext.privacy.proof.sharded_probe import raise_on_every_rank, view_of
 
 
 @contextmanager
@@ -60,7 +60,7 @@ class Reference:
 
     def __init__(self, engine, batch, loss_fn, device, params: list[nn.Parameter],
                  other_norms_sq: dict[nn.Parameter, Tensor] | None = None, examples: set[int] | None = None,
-                 uncounted: int | None = None):
+                 share: tuple[int, int] | None = None):
         params = list(params)
         view = view_of(engine)  # sharded: differentiate what the layers compute with, the gathered parameters,
         targets = [view.target(p) for p in params] if view is not None else params  # and see any path through a
@@ -74,6 +74,10 @@ class Reference:
             with engine.recorder.paused(), same_randomness(device):
                 loss = loss_fn(engine.model, batch)
             self.loss = loss.detach()
+            uncounted = None
+            if share is not None and loss.ndim == 1:  # dealt out among the examples the loss has: a loss of
+                examples, uncounted = shared_examples(  # fewer entries than the batch (refused for its shape) must
+                    sorted(e for e in examples if e < len(loss)), *share)  # not leave one rank a pass short
             for i in range(len(loss) if loss.ndim == 1 else 0):
                 if examples is not None and i not in examples:  # weighted 0 in the engine's pass: its exact
                     squares.append({p: loss.new_zeros(1, dtype=torch.float64) for p in params})  # gradient is 0
@@ -177,14 +181,13 @@ def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=N
     view = view_of(engine)
     if view is None or examples is None:
         return _reference(engine, batch, loss_fn, device, params, other_norms_sq, examples)
-    own, uncounted = shared_examples(sorted(examples), view.rank, view.world_size)
     failed = None
     try:
-        reference = _reference(engine, batch, loss_fn, device, params, other_norms_sq, own, uncounted)
-    except ReferenceFailed as error:  # (after this rank's backward passes: the others are at the vote below)
-        failed = error
-    if anywhere(engine, failed is not None):
-        raise failed or ReferenceFailed("on another rank")
+        reference = _reference(engine, batch, loss_fn, device, params, other_norms_sq, examples,
+                               (view.rank, view.world_size))
+    except Exception as error:  # noqa: BLE001 - any failure of this rank's share (not only ReferenceFailed: a
+        failed = error          # ValueError of the model) is raised on every rank alike, after the others' passes
+    raise_on_every_rank(engine.distributed, failed, engine.params[0].device)
     reference.add_over_ranks()
     return reference
 
@@ -199,9 +202,9 @@ def shared_examples(examples: list[int], rank: int, world_size: int) -> tuple[se
     return own, uncounted
 
 
-def _reference(engine, batch, loss_fn, device, params, other_norms_sq, examples, uncounted=None) -> Reference:
+def _reference(engine, batch, loss_fn, device, params, other_norms_sq, examples, share=None) -> Reference:
     try:
-        return Reference(engine, batch, loss_fn, device, params, other_norms_sq, examples, uncounted)
+        return Reference(engine, batch, loss_fn, device, params, other_norms_sq, examples, share)
     except RuntimeError as error:
         if isinstance(error, ReferenceFailed):
             raise

@@ -18,6 +18,7 @@ The per-example passes are shared by the ranks (``independence.redraws_of_this_r
 from __future__ import annotations
 
 import hashlib
+import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -91,6 +92,33 @@ def anywhere(engine, flag: bool) -> bool:
     if view_of(engine) is None:
         return flag
     return engine.distributed.any_rank(flag, engine.params[0].device)
+
+
+def raise_on_every_rank(ranks, failed: Exception | None, device: torch.device) -> None:
+    """After a pass whose inputs differ between the ranks (a rank's share of the re-draws or of the reference's
+    examples): a failure on any rank is raised on every rank, the first failing rank's, so that no rank goes on to
+    the next collective alone (it would wait for ever) and every rank refuses alike — where every rank ran every
+    pass, a model that fails on one example failed on each rank at the same pass. ``ranks``: the engine's active
+    context (None: one process, ``failed`` itself). A failure inside a pass, before that pass's last collective,
+    still leaves the other ranks waiting in it (docs/privacy_engine.md, "shared by the ranks")."""
+    if ranks is None or not ranks.any_rank(failed is not None, device):
+        if failed is not None:
+            raise failed
+        return
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, _portable(failed))
+    first = next(rank for rank, each in enumerate(everyone) if each is not None)
+    raise failed if first == dist.get_rank() else everyone[first]
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """``error`` as it can cross to the other ranks (pickled), or its words in a RuntimeError where it cannot."""
+    if error is None:
+        return None
+    try:
+        return pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any exception a model raises must reach the other ranks
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 @contextmanager
