@@ -27,6 +27,15 @@ def test_the_tiny_rehearsal_reports_both_modes_and_the_proofs_cost(tmp_path):
     assert result["largest"] == {mode: {"layers": 1, "parameters": rows[mode]["parameters"]} for mode in rows}
 
 
+def test_a_warm_up_runs_before_the_engine_and_the_proof_is_still_timed():
+    """``--warm-up``: one plain forward and backward before the engine, so the proof timed is the proof alone."""
+    rows = max_model.main(["--tiny", "--layers", "1", "--modes", "dp,nonprivate", "--warm-up"])["rows"]
+    assert all(row["warm_up"] and row["fits"] for row in rows)
+    dp = next(row for row in rows if row["mode"] == "dp")
+    assert dp["probe_seconds"] > 0 and dp["probe_steps"] > 0
+    assert "warm_up" not in max_model.main(["--tiny", "--layers", "1", "--modes", "nonprivate"])["rows"][0]
+
+
 def test_a_trial_killed_above_the_cap_does_not_fit(tmp_path):
     result = max_model.main(["--tiny", "--layers", "1", "--modes", "nonprivate", "--cap-gb", "0.01"])
     assert result["rows"][0]["fits"] is False and "cap" in result["rows"][0]["why"]
