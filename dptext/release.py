@@ -51,6 +51,9 @@ FLAG_REASONS = {
     "seeded_noise": "PrivacyArguments.seed was given: the DPTrainer's sampler and noise are reproducible from it, "
                     "so the seed must stay as secret as the noise",
     "no_noise": "the steps were clipped but not noised (noise_multiplier=0): nothing the model learnt is DP",
+    "teacher_reproducible_noise": "the teacher's sampler and noise were derived from its seed (its "
+                                  "privacy.reproducible_noise=true, or a seeded DPTrainer): the ε handed on here "
+                                  "holds only while the teacher's seed stays secret",
     "clipping_not_verified": "clipping not verified: the start-up probe was switched off (privacy.verify=false), "
                              "so the clipping was never compared with brute-force per-example autograd and ε rests "
                              "on the layer rules alone",
@@ -58,7 +61,11 @@ FLAG_REASONS = {
 # inherited by what learns from the output
 GUARANTEE_FLAGS = ("non_private", "exact_codes", "data_dependent_scaling", "no_noise")
 # inherited too, as a caveat on the ε that is handed on (statuses unchanged): what claims a teacher's ε says so
-INHERITED_FLAGS = GUARANTEE_FLAGS + ("clipping_not_verified",)
+INHERITED_FLAGS = GUARANTEE_FLAGS + ("clipping_not_verified", "teacher_reproducible_noise")
+# a teacher's flags its students carry under another name: a noise reproducible from the teacher's seed bounds the
+# ε they claim, but their own files do not hold that seed (their statuses stay as they are)
+RENAMED_WHEN_INHERITED = {"reproducible_noise": "teacher_reproducible_noise",
+                          "seeded_noise": "teacher_reproducible_noise"}
 
 
 class UnregisteredOutput(UserError):
@@ -242,7 +249,8 @@ def recipe_unit(recipe: Any) -> dict[str, Any] | None:
 def inherited_flags(source: str | Path | None) -> list[str]:
     """The guarantee flags of a run or synth folder whose outputs another output learns from (a teacher)."""
     found = read_manifest(source) if source else None
-    return [f for f in (found or {}).get("flags", {}) if f in INHERITED_FLAGS]
+    flags = (RENAMED_WHEN_INHERITED.get(f, f) for f in (found or {}).get("flags", {}))
+    return list(dict.fromkeys(f for f in flags if f in INHERITED_FLAGS))
 
 
 def _files(root: Path) -> list[str]:
