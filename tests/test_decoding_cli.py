@@ -39,6 +39,10 @@ def test_generation_reports_the_epsilon_of_the_query(capsys):
     again = json.loads(run_cli(capsys, "--model", "tiny-gpt2", "--prompt", "Hello", "--lambda", "0.8",
                                "--max-new-tokens", "4", "--seed", "0", "--json")[1])
     assert again["outputs"][0]["text"] == result["outputs"][0]["text"]  # --seed reproduces
+    assert result["seeded"] is True and "seed" not in result  # the seed never goes out with the outputs
+    unseeded = json.loads(run_cli(capsys, "--model", "tiny-gpt2", "--prompt", "Hello", "--lambda", "0.8",
+                                  "--max-new-tokens", "4", "--json")[1])
+    assert unseeded["seeded"] is False and "seed" not in unseeded
 
 
 def test_eps_solves_lambda_for_t_and_v(capsys):

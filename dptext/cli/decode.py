@@ -178,7 +178,8 @@ def run_generation(out, model, prompts, lam, eps, max_new_tokens, temperature, s
               ["prompt", "output", "T", "ε"], rows)
     out.result({"mode": "generate" if kind != MASKED else "fill_masks", "model": model, "kind": kind,
                 "lambda": result.lam, "support_size": result.support_size, "support": support_text,
-                "temperature": temperature, "seed": seed,
+                "temperature": temperature, "seeded": seed is not None,  # never the seed: with it, the outputs
+                # are a known function of the private model's distributions (the JSON is what gets shared)
                 "outputs": [{"prompt": p, "text": text, "tokens": t, "epsilon": e} for p, text, t, e in rows]})
 
 
