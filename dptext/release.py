@@ -51,9 +51,13 @@ FLAG_REASONS = {
     "seeded_noise": "PrivacyArguments.seed was given: the DPTrainer's sampler and noise are reproducible from it, "
                     "so the seed must stay as secret as the noise",
     "no_noise": "the steps were clipped but not noised (noise_multiplier=0): nothing the model learnt is DP",
-    "teacher_reproducible_noise": "the teacher's sampler and noise were derived from its seed (its "
-                                  "privacy.reproducible_noise=true, or a seeded DPTrainer): the ε handed on here "
-                                  "holds only while the teacher's seed stays secret",
+    "upstream_reproducible_noise": "a teacher or start model this output learnt from drew its sampler and noise "
+                                   "from its seed (privacy.reproducible_noise=true, or a seeded DPTrainer): the ε "
+                                   "it hands on holds only while that seed stays secret",
+    "continued_from_private_model": "the start model (model.name) was itself trained by dptext on private data: "
+                                    "this run's ε covers only its own training; what the start model learnt keeps "
+                                    "its own ε (its release.json), and where the two trained on the same records "
+                                    "their ε compose",
     "clipping_not_verified": "clipping not verified: the start-up probe was switched off (privacy.verify=false), "
                              "so the clipping was never compared with brute-force per-example autograd and ε rests "
                              "on the layer rules alone",
@@ -61,11 +65,10 @@ FLAG_REASONS = {
 # inherited by what learns from the output
 GUARANTEE_FLAGS = ("non_private", "exact_codes", "data_dependent_scaling", "no_noise")
 # inherited too, as a caveat on the ε that is handed on (statuses unchanged): what claims a teacher's ε says so
-INHERITED_FLAGS = GUARANTEE_FLAGS + ("clipping_not_verified", "teacher_reproducible_noise")
-# a teacher's flags its students carry under another name: a noise reproducible from the teacher's seed bounds the
-# ε they claim, but their own files do not hold that seed (their statuses stay as they are)
-RENAMED_WHEN_INHERITED = {"reproducible_noise": "teacher_reproducible_noise",
-                          "seeded_noise": "teacher_reproducible_noise"}
+INHERITED_FLAGS = GUARANTEE_FLAGS + ("clipping_not_verified", "upstream_reproducible_noise",
+                                     "continued_from_private_model")
+# carried under another name: an upstream seed bounds the ε handed on, but what learns from it does not hold it
+RENAMED_WHEN_INHERITED = dict.fromkeys(("reproducible_noise", "seeded_noise"), "upstream_reproducible_noise")
 
 
 class UnregisteredOutput(UserError):

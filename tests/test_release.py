@@ -76,17 +76,17 @@ def test_edp_first_step_scaling_covers_nothing_learnt_and_is_inherited(tmp_path)
     assert release.inherited_flags(teacher.path) == ["data_dependent_scaling"]
     write_manifest(teacher.path, flags=["data_dependent_scaling", "reproducible_noise"])
     # the seed is the teacher's own (the student's files do not hold it), but the ε handed on rests on it
-    assert release.inherited_flags(teacher.path) == ["data_dependent_scaling", "teacher_reproducible_noise"]
+    assert release.inherited_flags(teacher.path) == ["data_dependent_scaling", "upstream_reproducible_noise"]
     student = tmp_path / "student"
     student.mkdir()
     (student / "resolved.yaml").write_text("name: s\n")
     found = write_manifest(student, flags=release.inherited_flags(teacher.path))
     assert {f["path"]: f["status"] for f in found["files"]}["resolved.yaml"] == "public"
-    assert "teacher's seed stays secret" in found["flags"]["teacher_reproducible_noise"]
+    assert "that seed stays secret" in found["flags"]["upstream_reproducible_noise"]
     write_manifest(teacher.path, flags=["seeded_noise"])  # a seeded DPTrainer teacher
-    assert release.inherited_flags(teacher.path) == ["teacher_reproducible_noise"]
-    write_manifest(student, flags=["teacher_reproducible_noise"])  # a student's student carries it on
-    assert release.inherited_flags(student) == ["teacher_reproducible_noise"]
+    assert release.inherited_flags(teacher.path) == ["upstream_reproducible_noise"]
+    write_manifest(student, flags=["upstream_reproducible_noise"])  # a student's student carries it on
+    assert release.inherited_flags(student) == ["upstream_reproducible_noise"]
     assert release.inherited_flags(tmp_path) == [] and release.inherited_flags(None) == []
 
 
