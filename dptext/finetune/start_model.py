@@ -4,25 +4,67 @@ that model's release (``dptext.release``; docs/concepts.md).
 The new run's ε is about its own training only. What the start model learnt keeps its own ε and flags: a
 non-private start model takes the new run's results out of the guarantee (as a non-private teacher does a
 student's), and a DP one adds the caveat ``continued_from_private_model`` (on the same records the two ε compose).
+
+The folder is found as the loader finds it (``~`` expanded) and also through a symbolic link to it (its target's
+folders are looked at too); a DPTrainer's output_dir (kind ``trainer``) trained with DP as a run does, and a run
+directory written before release.json existed is known by its resolved.yaml. A folder its output registers as
+public (a distill student's ``student_init/``, cut from a public model) learnt nothing from the data: no flags.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from dptext.release import MANIFEST, inherited_flags, read_manifest
+import yaml
+
+from dptext.release import (MANIFEST, PUBLIC, REGISTRIES, UnregisteredOutput, entry_for, inherited_flags,
+                            read_manifest)
+
+RESOLVED = "resolved.yaml"  # a run directory's recipe (dptext.runs.RESOLVED), older than its release.json
+TRAINED = ("run", "trainer")  # outputs whose models trained on the private data (a synth folder holds none)
+
+
+def _candidates(path: Path) -> list[Path]:
+    """The folder and up to two above it, as named and (through symbolic links) as it really lies."""
+    named, real = path.absolute(), path.resolve()
+    return list(dict.fromkeys([named, *list(named.parents)[:2], real, *list(real.parents)[:2]]))
+
+
+def _is_public(path: Path, source: Path, kind: str) -> bool:
+    """Whether ``source``'s registry lists the model folder ``path`` as public (not learnt from the data)."""
+    for folder in (path.absolute(), path.resolve()):
+        if folder.is_relative_to(source) and folder != source:
+            try:
+                return entry_for(f"{folder.relative_to(source).as_posix()}/config.json", kind).status == PUBLIC
+            except UnregisteredOutput:
+                return False
+    return False
 
 
 def dptext_output_of(model_name: str | Path) -> Path | None:
-    """The dptext run or synth folder a model folder lies in (a release.json in it or up to two folders above:
-    ``RUN_DIR/model``, a checkpoint's export), or None for a hub name or any other folder."""
-    path = Path(model_name)
-    if not path.is_dir():
+    """The dptext run, DPTrainer or synth folder a model folder lies in (a release.json, or an older run's
+    resolved.yaml, in it or up to two folders above: ``RUN_DIR/model``, a checkpoint's export), or None for a hub
+    name, any other folder, or a folder its output registers as public (a distill student's ``student_init/``)."""
+    name = str(model_name)
+    path = Path(os.path.expanduser(name) if name.startswith("~") else name)
+    if not name or not path.is_dir():
         return None
-    for folder in [path, *list(path.absolute().parents)[:2]]:
-        if (folder / MANIFEST).is_file():
-            return folder
+    for folder in _candidates(path):
+        if (folder / MANIFEST).is_file() or (folder / RESOLVED).is_file():
+            kind = (read_manifest(folder) or {}).get("kind", "run")
+            return None if kind in REGISTRIES and _is_public(path, folder, kind) else folder
     return None
+
+
+def _older_run_flags(folder: Path) -> list[str]:
+    """A run directory without release.json: non_private when its recipe disabled DP or cannot be read."""
+    try:
+        recipe = yaml.safe_load((folder / RESOLVED).read_text()) or {}
+        enabled = (recipe.get("privacy") or {}).get("enabled", True)
+    except (OSError, yaml.YAMLError, AttributeError):
+        enabled = False
+    return [] if enabled is not False else ["non_private"]
 
 
 def start_model_flags(model_name: str | Path) -> list[str]:
@@ -32,7 +74,11 @@ def start_model_flags(model_name: str | Path) -> list[str]:
     source = dptext_output_of(model_name)
     if source is None:
         return []
-    found = read_manifest(source) or {}
-    carried = inherited_flags(source)
-    private = found.get("kind") == "run" and "non_private" not in found.get("flags", {})
+    found = read_manifest(source)
+    if found is None:
+        carried = _older_run_flags(source)
+        private = not carried
+    else:
+        carried = inherited_flags(source)
+        private = found.get("kind", "run") in TRAINED and "non_private" not in found.get("flags", {})
     return carried + (["continued_from_private_model"] if private else [])
