@@ -23,7 +23,7 @@ from dptext.finetune.start_model import dptext_output_of, start_model_flags
 from dptext.output import Output
 from dptext.runs import write_manifest
 
-from tests.test_start_model import overrides, released
+from test_start_model import overrides, released
 
 
 @pytest.fixture
