@@ -23,6 +23,17 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture
+def reviews(tmp_path) -> Path:
+    """48 one-line labelled reviews (reviews.jsonl: text, label 0/1), for short classification runs."""
+    import json
+
+    path = tmp_path / "reviews.jsonl"
+    path.write_text("".join(json.dumps({"text": f"review {i} {'good' if i % 2 else 'bad'}", "label": i % 2}) + "\n"
+                            for i in range(48)))
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cwd_for_runs(monkeypatch, tmp_path_factory):
     """Keep tests from writing runs/ into the checkout."""

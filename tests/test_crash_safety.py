@@ -45,14 +45,6 @@ def recipe_file(data: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def data(tmp_path) -> Path:
-    path = tmp_path / "reviews.jsonl"
-    path.write_text("".join(json.dumps({"text": f"review {i} {'good' if i % 2 else 'bad'}", "label": i % 2}) + "\n"
-                            for i in range(48)))
-    return path
-
-
 def start(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen([sys.executable, "-m", "dptext", "finetune", *args], cwd=REPO, env=env,
@@ -126,16 +118,16 @@ def kill_and_resume(data: Path, tmp_path: Path, kills: int, seed: int) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_many_random_sigkills_then_resume(data, tmp_path, seed):
-    reference = reference_weights(data, tmp_path)
-    run = kill_and_resume(data, tmp_path, kills=5, seed=seed)
+def test_many_random_sigkills_then_resume(reviews, tmp_path, seed):
+    reference = reference_weights(reviews, tmp_path)
+    run = kill_and_resume(reviews, tmp_path, kills=5, seed=seed)
     check_finished(run, reference)
 
 
-def test_ctrl_c_then_sigkill_then_resume_finishes_exactly(data, tmp_path):
+def test_ctrl_c_then_sigkill_then_resume_finishes_exactly(reviews, tmp_path):
     """The default-run variant (three process starts): Ctrl-C, resume, SIGKILL at a random moment, resume."""
     run = tmp_path / "run"
-    process = start([str(recipe_file(data)), "--out", str(run)])
+    process = start([str(recipe_file(reviews)), "--out", str(run)])
     assert wait_for_training(process, run, min_step=2)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
@@ -155,10 +147,10 @@ def test_ctrl_c_then_sigkill_then_resume_finishes_exactly(data, tmp_path):
     final = start(["--resume", str(run)])
     _, err = final.communicate(timeout=300)
     assert final.returncode == 0, err
-    check_finished(run, reference_weights(data, tmp_path))
+    check_finished(run, reference_weights(reviews, tmp_path))
 
 
-def test_ctrl_c_between_log_lines_keeps_the_kept_steps_time(data, tmp_path, monkeypatch):
+def test_ctrl_c_between_log_lines_keeps_the_kept_steps_time(reviews, tmp_path, monkeypatch):
     """A run stopped by Ctrl-C after a step no log line covered (log_every > 1) writes that step's clock: a resumed
     run's wall time is summed over invocations from these records, and would otherwise lose the steps kept since
     the last log line (DistilDP's CPU DPKD student lost ~10 minutes this way)."""
@@ -176,7 +168,7 @@ def test_ctrl_c_between_log_lines_keeps_the_kept_steps_time(data, tmp_path, monk
 
     monkeypatch.setattr(loop, "train_step", step_then_ctrl_c)
     run = tmp_path / "run"
-    recipe = config.load_recipe(None, overrides(data) + ["train.log_every=100", "train.checkpoint_every=100"])
+    recipe = config.load_recipe(None, overrides(reviews) + ["train.log_every=100", "train.checkpoint_every=100"])
     with pytest.raises(RunInterrupted):
         run_finetune(recipe, out=run)
     records = [json.loads(line) for line in (run / "diagnostics_not_private.jsonl").read_text().splitlines()]

@@ -25,14 +25,6 @@ def overrides(data: Path, name: str, model: str = "tiny-bert") -> list[str]:
             f"name={name}", "task.labels=[negative,positive]", "privacy.target_epsilon=8"]
 
 
-@pytest.fixture
-def data(tmp_path) -> Path:
-    path = tmp_path / "reviews.jsonl"
-    path.write_text("".join(json.dumps({"text": f"review {i} {'good' if i % 2 else 'bad'}", "label": i % 2}) + "\n"
-                            for i in range(48)))
-    return path
-
-
 def released(run: Path) -> tuple[dict, dict]:
     manifest = json.loads((run / "release.json").read_text())
     return manifest["flags"], {f["path"]: f["status"] for f in manifest["files"]}
@@ -53,12 +45,12 @@ def test_only_a_folder_in_a_dptext_output_counts(tmp_path):
 
 
 @pytest.mark.parametrize("first_private", [True, False])
-def test_a_run_from_a_model_dptext_trained_carries_its_flags_and_warns(data, tmp_path, capsys, first_private):
+def test_a_run_from_a_model_dptext_trained_carries_its_flags_and_warns(reviews, tmp_path, capsys, first_private):
     first = tmp_path / "first"
-    run_finetune(config.load_recipe(None, overrides(data, "first") + ([] if first_private else
+    run_finetune(config.load_recipe(None, overrides(reviews, "first") + ([] if first_private else
                                                                       ["privacy.enabled=false"])), out=first)
     second = tmp_path / "second"
-    run_finetune(config.load_recipe(None, overrides(data, "second", str(first / "model"))), out=second,
+    run_finetune(config.load_recipe(None, overrides(reviews, "second", str(first / "model"))), out=second,
                  output=Output())
     flags, statuses = released(second)
     assert "model.name is a model dptext trained" in capsys.readouterr().err
@@ -69,5 +61,5 @@ def test_a_run_from_a_model_dptext_trained_carries_its_flags_and_warns(data, tmp
         assert "non_private" in flags and flags["non_private"] == FLAG_REASONS["non_private"]
         assert statuses["model/model.safetensors"] == "not_covered"
     fresh = tmp_path / "fresh"
-    run_finetune(config.load_recipe(None, overrides(data, "fresh")), out=fresh)
+    run_finetune(config.load_recipe(None, overrides(reviews, "fresh")), out=fresh)
     assert released(fresh)[0] == {}

@@ -11,7 +11,6 @@ warning, a false ``continued_from_private_model``, and under a recipe with priva
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,6 @@ from dptext.output import Output
 from dptext.runs import write_manifest
 
 from test_start_model import overrides, released
-
-
-@pytest.fixture
-def data(tmp_path) -> Path:
-    path = tmp_path / "reviews.jsonl"
-    path.write_text("".join(json.dumps({"text": f"review {i} {'good' if i % 2 else 'bad'}", "label": i % 2}) + "\n"
-                            for i in range(48)))
-    return path
 
 
 def private_run(root: Path, flags: list[str] = ()) -> Path:
@@ -92,9 +83,9 @@ def test_nothing_for_hub_names_missing_folders_and_public_folders(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_distill_student_is_not_its_own_start_model(data, tmp_path, capsys):
+def test_a_distill_student_is_not_its_own_start_model(reviews, tmp_path, capsys):
     recipe = config.load_recipe(None, [
-        "model.name=tiny-llama", "task.type=language_modeling", f"data.path={data}", "data.max_length=16",
+        "model.name=tiny-llama", "task.type=language_modeling", f"data.path={reviews}", "data.max_length=16",
         "data.max_eval_examples=4", "train.batch_size=8", "train.max_steps=2", "name=student",
         "privacy.target_epsilon=8", "distill.method=dp_sgd", "distill.student=tiny-llama",
         "distill.student_layers=[0]"])
@@ -105,12 +96,12 @@ def test_a_distill_student_is_not_its_own_start_model(data, tmp_path, capsys):
 
 
 @pytest.mark.integration
-def test_a_run_from_a_linked_non_private_model_is_not_covered(data, tmp_path, capsys):
+def test_a_run_from_a_linked_non_private_model_is_not_covered(reviews, tmp_path, capsys):
     first = tmp_path / "first"
-    run_finetune(config.load_recipe(None, overrides(data, "first") + ["privacy.enabled=false"]), out=first)
+    run_finetune(config.load_recipe(None, overrides(reviews, "first") + ["privacy.enabled=false"]), out=first)
     link = tmp_path / "baseline-model"
     link.symlink_to(first / "model", target_is_directory=True)
-    run_finetune(config.load_recipe(None, overrides(data, "second", str(link))), out=tmp_path / "second",
+    run_finetune(config.load_recipe(None, overrides(reviews, "second", str(link))), out=tmp_path / "second",
                  output=Output())
     flags, statuses = released(tmp_path / "second")
     assert "model.name is a model dptext trained" in capsys.readouterr().err
