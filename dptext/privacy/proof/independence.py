@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dptext.privacy.proof.reference import ReferenceFailed, same_randomness
-from dptext.privacy.proof.sharded_probe import anywhere, raise_on_every_rank, view_of
+from dptext.privacy.proof.sharded_probe import anywhere, dealt, raise_on_every_rank, view_of
 
 
 def with_row(batch: dict[str, Any], fresh: dict[str, Any], example: int) -> dict[str, Any]:
@@ -95,10 +95,8 @@ def redraws_of_this_rank(examples: int, rank: int, world_size: int) -> list[int]
     does (on N ranks a step's per-rank batch is 1/N of the whole, the probe's is not). Every pass is a collective,
     so every rank runs as many passes: one with none left re-draws its first example again. The batch itself, and
     so the values every re-draw is compared with, is the same on every rank (``check_same_batch``)."""
-    if world_size <= 1:
-        return list(range(examples))
-    passes = -(-examples // world_size)
-    mine = list(range(rank, examples, world_size)) or [rank % examples]
+    mine, passes = dealt(examples, rank, max(world_size, 1))
+    mine = (mine or [rank % examples]) if examples else []
     return [mine[i] if i < len(mine) else mine[0] for i in range(passes)]
 
 

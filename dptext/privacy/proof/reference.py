@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dptext.privacy.clipping import sums as clipping
-from dptext.privacy.proof.sharded_probe import raise_on_every_rank, view_of
+from dptext.privacy.proof.sharded_probe import dealt, raise_on_every_rank, view_of
 
 
 @contextmanager
@@ -193,12 +193,12 @@ def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=N
 
 
 def shared_examples(examples: list[int], rank: int, world_size: int) -> tuple[set[int], int | None]:
-    """This rank's share of the compared examples — the i-th to rank i mod N — and, for a rank left without one
-    (more ranks than examples), one example whose backward pass it runs without counting it (each backward pass
+    """This rank's share of the compared examples — the i-th to rank i mod N (``dealt``) — and, for a rank with
+    one fewer than the others, an example it does not count whose backward pass it runs as well (each backward pass
     is a collective under FSDP2, so every rank runs as many)."""
-    own = set(examples[rank::world_size])
-    passes = -(-len(examples) // world_size)
-    uncounted = examples[rank % len(examples)] if len(own) < passes and examples else None
+    mine, passes = dealt(len(examples), rank, world_size)
+    own = {examples[i] for i in mine}
+    uncounted = next((e for e in examples if e not in own), None) if len(own) < passes else None
     return own, uncounted
 
 

@@ -94,6 +94,12 @@ def anywhere(engine, flag: bool) -> bool:
     return engine.distributed.any_rank(flag, engine.params[0].device)
 
 
+def dealt(count: int, rank: int, world_size: int) -> tuple[list[int], int]:
+    """How the ranks share ``count`` per-example passes: the indices this rank takes (i to rank i mod N) and how
+    many passes every rank makes (each pass is a collective under FSDP2, so all make as many)."""
+    return list(range(rank, count, world_size)), -(-count // world_size)
+
+
 def raise_on_every_rank(ranks, failed: Exception | None, device: torch.device) -> None:
     """After a pass whose inputs differ between the ranks (a rank's share of the re-draws or of the reference's
     examples): a failure on any rank is raised on every rank, the first failing rank's, so that no rank goes on to
