@@ -125,3 +125,16 @@ def test_in_process_main_exits_2_on_user_error(tmp_path, capsys):
 def test_version():
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("dptext ")
+
+
+@pytest.mark.parametrize("args, code, words", [(["--version"], 0, "dptext "),
+                                               (["account", "--no-such-option"], 2, "error: No such option")])
+def test_a_rank_of_a_process_group_exits_with_its_code_and_its_words(args, code, words):
+    """Under torchrun (WORLD_SIZE > 1) the process ends past the interpreter's teardown (os._exit, where gloo's
+    threads could abort a finished rank): the exit code and everything printed still come out."""
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "dptext", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WORLD_SIZE": "2"})
+    assert done.returncode == code, done.stderr
+    assert words in done.stdout + done.stderr, done.stdout + done.stderr

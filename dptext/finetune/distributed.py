@@ -171,7 +171,9 @@ def end_process_group() -> None:
     """Tear down torch.distributed's default group whoever started it (accelerate, under a ``DPTrainer`` script).
 
     A script that leaves the group to interpreter shutdown lets each rank's gloo threads die while a peer may still
-    be closing its sockets, an occasional SIGABRT after a finished run; call this as the script's last step."""
+    be closing its sockets, an occasional SIGABRT after a finished run; call this as the script's last step. Even
+    then gloo's threads can abort a rank during the interpreter's teardown; ``dptext``'s own ranks therefore end
+    with ``os._exit`` once their output is flushed (dptext.cli.app), which a script may do too."""
     global _CURRENT
     _tear_down()
     _CURRENT = None
