@@ -11,8 +11,8 @@ from torch import nn
 
 from dptext.accounting.blt import BLT
 from dptext.errors import UserError
-from dptext.privacy.blt_engine import BLTEngine
-from dptext.privacy.mf_engine import BandedMFEngine
+from dptext.privacy.mechanisms.blt import BLTEngine
+from dptext.privacy.mechanisms.banded_mf import BandedMFEngine
 
 CLIP = 1.0
 

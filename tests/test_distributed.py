@@ -66,7 +66,7 @@ def record_ids(n):
 def edp_gradient(ctx=None, per_device=1):
     """eDP-SGD's gradient without noise: Σ_slots α·clip(Δ_m/α) / M over the examples this process owns (slot
     = keyed hash of the record id under the reproducible root's key, broadcast from rank 0)."""
-    from dptext.privacy.edp import EDPEngine
+    from dptext.privacy.mechanisms.edp import EDPEngine
 
     model = mlp()
     alphas = dict(zip(model.parameters(), EDP_ALPHAS))
@@ -97,7 +97,7 @@ EDP_NOISE = {"z0": 1.5, "C": 0.4, "alphas": (0.5, 1.0, 3.0, 2.0)}
 def edp_noise_steps(ctx=None):
     """Parameter moves of two noise-only eDP steps (SGD, lr 1) with linear decay τ=1, one step per epoch."""
     from dptext.accounting.schedule import NoiseSchedule
-    from dptext.privacy.edp import EDPEngine
+    from dptext.privacy.mechanisms.edp import EDPEngine
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 300))

@@ -13,7 +13,7 @@ from torch import nn
 
 from dptext.accounting import NoiseSchedule, compute_epsilon
 from dptext.errors import UserError
-from dptext.privacy.edp import ALPHA_FLOOR, SENSITIVITY_FACTOR, EDPEngine, alphas_from_gradients
+from dptext.privacy.mechanisms.edp import ALPHA_FLOOR, SENSITIVITY_FACTOR, EDPEngine, alphas_from_gradients
 
 C = 0.8
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from dptext.errors import UserError
 from dptext.privacy import PrivacyEngine
-from dptext.privacy.edp import EDPEngine
+from dptext.privacy.mechanisms.edp import EDPEngine
 from dptext.privacy.proof.synthetic import output_functional_loss
 
 VOCAB, WIDTH = 11, 6

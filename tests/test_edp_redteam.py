@@ -11,7 +11,7 @@ from torch import nn
 
 from dptext.accounting import NoiseSchedule, PrivacyLedger
 from dptext.errors import UserError
-from dptext.privacy.edp import EDPEngine
+from dptext.privacy.mechanisms.edp import EDPEngine
 
 C = 1.0
 

@@ -17,8 +17,9 @@ from fsdp_models import losses, tiny_lm, token_ids
 
 from dptext.errors import UserError
 from dptext.privacy import PrivacyEngine
-from dptext.privacy import edp as edp_module, engine as engine_module
-from dptext.privacy.edp import EDPEngine
+from dptext.privacy import engine as engine_module
+from dptext.privacy.mechanisms import edp as edp_module
+from dptext.privacy.mechanisms.edp import EDPEngine
 from dptext.privacy.proof import step_checks
 
 RANDOM_OPS = ("randint", "normal", "randn")

@@ -35,8 +35,8 @@ TIMEOUT = 240
 
 
 def engine_for(mechanism: str, model, optimizer, ctx, **options):
-    from dptext.privacy.blt_engine import BLTEngine
-    from dptext.privacy.mf_engine import BandedMFEngine
+    from dptext.privacy.mechanisms.blt import BLTEngine
+    from dptext.privacy.mechanisms.banded_mf import BandedMFEngine
 
     options = {"noise_multiplier": SIGMA, "max_grad_norm": C, "dataset_size": SIZE, "steps": STEPS, "bins": BINS,
                "distributed": ctx, "verify": False, **options}

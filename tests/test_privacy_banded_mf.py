@@ -1,6 +1,6 @@
 """The banded MF engine: its noise's covariance across steps is the strategy's, its sampler produces only the
 participation it is accounted for, one example moves the release by at most sens·C, and what does not match is
-refused (dptext/privacy/mf_engine.py, noise/correlated.py, sampling/cyclic.py)."""
+refused (dptext/privacy/mechanisms/banded_mf.py, noise/correlated.py, sampling/cyclic.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dptext.accounting.banded_mf import Participation, allowed_patterns, gaussia
 from dptext.accounting.mf_strategy import optimize_banded
 from dptext.errors import UserError
 from dptext.models import load_model
-from dptext.privacy.mf_engine import BandedMFEngine
+from dptext.privacy.mechanisms.banded_mf import BandedMFEngine
 from dptext.privacy.sampling.cyclic import CyclicBinSampler
 from mf_cases import check_lifecycle_refusals, noise_of_steps, release_of
 

@@ -1,6 +1,6 @@
 """The BLT engine: its noise's covariance across steps is the strategy's, it resumes bit for bit, one example moves
 the release by at most sens·C at the participation it is accounted for (k steps, P apart), and what does not
-match is refused (dptext/privacy/blt_engine.py, noise/correlated.py BufferedNoise)."""
+match is refused (dptext/privacy/mechanisms/blt.py, noise/correlated.py BufferedNoise)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from dptext.accounting.blt import BLT, blt_coefficients, blt_sensitivity
 from dptext.accounting.blt_strategy import optimize_blt
 from dptext.errors import UserError
 from dptext.models import load_model
-from dptext.privacy.blt_engine import BLTEngine
-from dptext.privacy.mf_engine import BandedMFEngine
+from dptext.privacy.mechanisms.blt import BLTEngine
+from dptext.privacy.mechanisms.banded_mf import BandedMFEngine
 from mf_cases import check_lifecycle_refusals, noise_of_steps, release_of
 from test_privacy_banded_mf import noise_engine as banded_engine
 

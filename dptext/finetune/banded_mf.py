@@ -23,9 +23,9 @@ from dptext.errors import UserError
 from dptext.finetune.seeds import privacy_seed
 from dptext.finetune.sharding import mark_verified, proven_before_sharding
 from dptext.finetune.task_probe import verify_with_task
-from dptext.privacy.blt_engine import POISSON_REFUSED as BLT_REFUSED
-from dptext.privacy.blt_engine import BLTEngine
-from dptext.privacy.mf_engine import POISSON_REFUSED, BandedMFEngine
+from dptext.privacy.mechanisms.blt import POISSON_REFUSED as BLT_REFUSED
+from dptext.privacy.mechanisms.blt import BLTEngine
+from dptext.privacy.mechanisms.banded_mf import POISSON_REFUSED, BandedMFEngine
 
 
 def check_banded_mf(privacy: Any, bins: int) -> None:

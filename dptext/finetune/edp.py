@@ -2,7 +2,7 @@
 
 z_0 is calibrated so that the whole run — S steps at rate q with σ_t = z_0·d(t)/2 (d the recipe's decay,
 t the epoch) — spends the target ε under the recipe's accountant; a pinned ``privacy.noise_multiplier`` is
-z_0 itself. See ``dptext.privacy.edp`` for the mechanism and docs/edp.md for what the guarantee means.
+z_0 itself. See ``dptext.privacy.mechanisms.edp`` for the mechanism and docs/edp.md for what the guarantee means.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dptext.data import load_records
 from dptext.errors import UserError
 from dptext.finetune.seeds import privacy_seed, record_ids
 from dptext.finetune.task_probe import verify_with_task
-from dptext.privacy.edp import SENSITIVITY_FACTOR, EDPEngine, alphas_from_gradients
+from dptext.privacy.mechanisms.edp import SENSITIVITY_FACTOR, EDPEngine, alphas_from_gradients
 from dptext.tasks.base import batches
 
 PROBE_BATCH = 16
@@ -76,7 +76,7 @@ def build_edp(training: Any, dist: Any, probe_now: bool = True) -> None:
     if privacy.sampling != "poisson":
         raise UserError("eDP-SGD's micro-batch slots are Poisson-sampled; use privacy.sampling=poisson.")
     n = len(training.examples)
-    factor = SENSITIVITY_FACTOR  # public: never a function of n (dptext.privacy.edp)
+    factor = SENSITIVITY_FACTOR  # public: never a function of n (dptext.privacy.mechanisms.edp)
     schedule = noise_schedule(privacy)
     sigma0 = accounting_sigma(recipe, plan, factor, schedule)
     alphas = None

@@ -1,5 +1,5 @@
 """``BandedMFEngine``: the privacy engine with banded matrix-factorization noise (SPEC §12), and
-``CorrelatedNoiseEngine``, what it shares with the BLT engine (``privacy/blt_engine.py``).
+``CorrelatedNoiseEngine``, what it shares with the BLT engine (``privacy/mechanisms/blt.py``).
 
 Everything the DP-SGD engine does stays: exact per-example clipping, its start-up proof and per-step checks, the
 secret noise stream, division by the expected batch size. Two things change, and each is tied to the accounting:

@@ -1,4 +1,4 @@
-"""eDP-SGD's per-tensor scaling α (``dptext.privacy.edp``): the choices and α measured from a gradient."""
+"""eDP-SGD's per-tensor scaling α (``dptext.privacy.mechanisms.edp``): the choices and α measured from a gradient."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``BLTEngine``: the privacy engine with buffered-linear-Toeplitz (BLT) correlated noise (SPEC §12).
 
-The same engine as banded MF (``mf_engine.CorrelatedNoiseEngine``): exact per-example clipping and its checks,
+The same engine as banded MF (``banded_mf.CorrelatedNoiseEngine``): exact per-example clipping and its checks,
 cyclic balls-in-bins batches (every example in at most k = ⌈S/P⌉ steps, P apart), S planned steps, ε of one
 Gaussian mechanism with noise multiplier σ / sens(C). What differs is the strategy: a BLT C with c_0 and d
 buffers (ω_i, θ_i) (``accounting/blt.py``), whose noise C⁻¹z is generated with d model-sized buffers per
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dptext.accounting.blt import BLT, blt_sensitivity
-from dptext.privacy.mf_engine import CorrelatedNoiseEngine
+from dptext.privacy.mechanisms.banded_mf import CorrelatedNoiseEngine
 from dptext.privacy.noise.correlated import BufferedNoise, FilteredNoise
 from dptext.privacy.noise.optimizer import NoiseSource
 

@@ -49,8 +49,8 @@ from dptext.privacy.engine import PrivacyEngine
 from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
 from dptext.privacy.clipping.call_checks import refuse_mode_around
 from dptext.privacy.clipping.plan import _check_optimizer
-from dptext.privacy.edp_mechanism import check_floor, describe, lowest_sigma
-from dptext.privacy.edp_scaling import (ALPHA_FLOOR, SCALINGS, alphas_from_gradients,  # noqa: F401 (re-exported)
+from dptext.privacy.mechanisms.edp_accounting import check_floor, describe, lowest_sigma
+from dptext.privacy.mechanisms.edp_scaling import (ALPHA_FLOOR, SCALINGS, alphas_from_gradients,  # noqa: F401 (re-exported)
                                         check_alphas)
 from dptext.privacy.noise.randomness import RandomRoot, keyed_hash
 from dptext.privacy.sampling.sampler import make_sampler
@@ -275,7 +275,7 @@ class EDPEngine:
         return self._sampler
 
     def mechanism(self) -> dict[str, Any]:
-        """The guarantee and its unit, for the run summary and the ledger (``edp_mechanism.describe``)."""
+        """The guarantee and its unit, for the run summary and the ledger (``edp_accounting.describe``)."""
         return describe(self)
 
     def state_dict(self) -> dict[str, Any]:
