@@ -13,12 +13,10 @@ Flags (``FLAG_REASONS``, from the recipe and from a teacher the output learnt fr
 guarantee: every ``dp_result`` entry under ``GUARANTEE_FLAGS``, and the files holding ``train.seed`` under
 ``reproducible_noise``.
 
-``write_manifest`` lists every file under the folder in ``release.json`` with its status and fails on a file
-no entry matches (a DPTrainer's output_dir, kind ``trainer``, lists a file it does not know as not covered instead:
-other libraries and the user's script write there too), and ``check_registered`` (called by
-``dptext.runs.atomic_write``) refuses to write one: a new output cannot appear without a status. Patterns are
-``fnmatch`` globs on the POSIX path relative to the folder; the first match wins, so specific entries come before
-the catch-alls of their folder.
+``write_manifest`` lists every file in ``release.json`` with its status and fails on one no entry matches (a
+DPTrainer's output_dir, kind ``trainer``, lists it as not covered: other code writes there too); ``check_registered``
+(``dptext.atomic``) refuses to write one. Patterns are ``fnmatch`` globs on the POSIX path relative to the folder;
+the first match wins, so specific entries come before the catch-alls of their folder.
 """
 
 from __future__ import annotations
@@ -34,13 +32,13 @@ from dptext.errors import UserError
 
 COVERED, PUBLIC, NOT_COVERED = "covered", "public", "not_covered"
 MANIFEST = "release.json"
+ORIGIN = "model/dptext_origin.json"  # a run's flags inside its model folder (finetune.start_model)
 STATUSES = {
     COVERED: "bounded by the run's (ε, δ): reveals about one training record at most what ε allows",
     PUBLIC: "a public input copied into the output (recipe, pretrained tokenizer, declared label sets, versions)",
     NOT_COVERED: "computed from private records without noise: keep it with the private data, never publish it",
 }
-# Conditions under which a whole output loses its guarantee (entries marked ``dp_result`` turn not_covered), and
-# the one under which the files that hold train.seed become as secret as the noise.
+# What takes an output's ``dp_result`` entries out of the guarantee, or makes its files holding train.seed secret
 FLAG_REASONS = {
     "non_private": "the run trained without differential privacy (privacy.enabled=false): nothing it learnt is DP",
     "exact_codes": "control codes follow the EXACT private code distribution (--codes exact), which is not DP",
@@ -88,6 +86,7 @@ class Entry:
 
 _TOKENIZER = "the pretrained model's tokenizer, saved unchanged (never trained on the data)"
 _MODEL_WEIGHTS = "weights and configuration of the model trained with DP-SGD"
+_NOISY = "DP-SGD; post-processing of the noisy gradients"
 _TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                     "chat_template.jinja")
 _TOKENIZER_GIVEN = ("the tokenizer given to the Trainer, saved unchanged (public when it was not fitted on the "
@@ -125,7 +124,8 @@ RUN_ENTRIES = (
           "task.slot_types)"),
     Entry("model/clc_vocabulary.json", PUBLIC, "the clc encoder's fixed character set (no words of the data)"),
     *(Entry(f"model/{name}", PUBLIC, _TOKENIZER) for name in _TOKENIZER_FILES),
-    Entry("model/*", COVERED, _MODEL_WEIGHTS, "DP-SGD; post-processing of the noisy gradients", dp_result=True),
+    Entry(ORIGIN, PUBLIC, "the run's flags, so that a copy of model/ says what it learnt", "settings, not records"),
+    Entry("model/*", COVERED, _MODEL_WEIGHTS, _NOISY, dp_result=True),
     Entry("student_init/*", PUBLIC, "the student's initial weights, cut from a public pretrained model"),
     Entry("student.json", PUBLIC, "which layers of which public model the student keeps"),
     Entry("best.pt", COVERED, "the weights of the best periodic validation evaluation (train.keep_best)",
@@ -182,14 +182,12 @@ TRAINER_ENTRIES = (
     Entry("*rng_state*.pth", NOT_COVERED, "the training process's random generator states, kept for resuming",
           "states of the process that trained on the private batches; not needed to share the model"),
     Entry("*training_args.bin", PUBLIC, "the TrainingArguments (settings, no data)"),
-    Entry("*optimizer.pt", COVERED, "optimizer state (moments of the noisy gradients)",
-          "DP-SGD; post-processing of the noisy gradients", dp_result=True),
+    Entry("*optimizer.pt", COVERED, "optimizer state (moments of the noisy gradients)", _NOISY, dp_result=True),
     Entry("*scheduler.pt", PUBLIC, "the learning-rate schedule's state (a function of the step count)"),
     *(Entry(f"*{name}", PUBLIC, _TOKENIZER_GIVEN) for name in _TOKENIZER_FILES),
-    Entry("*.safetensors", COVERED, _MODEL_WEIGHTS, "DP-SGD; post-processing of the noisy gradients", dp_result=True),
-    Entry("*.bin", COVERED, _MODEL_WEIGHTS, "DP-SGD; post-processing of the noisy gradients", dp_result=True),
-    Entry("*config.json", COVERED, "model (adapter, generation) configuration of the DP-trained model",
-          "DP-SGD; post-processing of the noisy gradients", dp_result=True),
+    *(Entry(weights, COVERED, _MODEL_WEIGHTS, _NOISY, dp_result=True) for weights in ("*.safetensors", "*.bin")),
+    Entry("*config.json", COVERED, "model (adapter, generation) configuration of the DP-trained model", _NOISY,
+          dp_result=True),
     Entry("*README.md", COVERED, "the model card a PEFT adapter is saved with", "written from the configuration",
           dp_result=True),
     Entry("*", NOT_COVERED, "a file DPTrainer does not know (another library's logs, your own files)",
@@ -249,10 +247,12 @@ def recipe_unit(recipe: Any) -> dict[str, Any] | None:
     return {"unit": "example", "text": "ε is per example: one training record"}
 
 
-def inherited_flags(source: str | Path | None) -> list[str]:
-    """The guarantee flags of a run or synth folder whose outputs another output learns from (a teacher)."""
-    found = read_manifest(source) if source else None
-    flags = (RENAMED_WHEN_INHERITED.get(f, f) for f in (found or {}).get("flags", {}))
+def inherited_flags(source: str | Path | None, listed: Iterable[str] | None = None) -> list[str]:
+    """The guarantee flags of a run or synth folder whose outputs another output learns from (a teacher), or of
+    ``listed``, the flags its manifest lists (a copied model folder's ``ORIGIN``)."""
+    if listed is None:
+        listed = ((read_manifest(source) if source else None) or {}).get("flags", {})
+    flags = (RENAMED_WHEN_INHERITED.get(f, f) for f in listed)
     return list(dict.fromkeys(f for f in flags if f in INHERITED_FLAGS))
 
 

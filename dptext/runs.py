@@ -185,6 +185,9 @@ class RunDir:
         ``dptext.release.FLAG_REASONS``; None keeps the manifest's)."""
         atomic_write_json(self.path / RESULT, result)
         write_manifest(self.path, "run", flags)
+        if (self.path / "model").is_dir():  # a copy of model/ made outside the run still says what it learnt
+            listed = sorted((release.read_manifest(self.path) or {}).get("flags", {}))
+            atomic_write_json(self.path / release.ORIGIN, {"written_by": "dptext", "kind": "run", "flags": listed})
 
     def load_result(self) -> dict[str, Any] | None:
         return read_json(self.path / RESULT, "the run's result")

@@ -5,13 +5,14 @@ own ε alone — silently, even when the start model had trained on the private 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from dptext import config
 from dptext.finetune import run_finetune
-from dptext.finetune.start_model import dptext_output_of, start_model_flags
+from dptext.finetune.start_model import copied_model_flags, dptext_output_of, start_model_flags
 from dptext.output import Output
 from dptext.release import FLAG_REASONS
 from dptext.runs import write_manifest
@@ -44,6 +45,22 @@ def test_only_a_folder_in_a_dptext_output_counts(tmp_path):
     assert start_model_flags(run / "model") == ["non_private"]  # nothing private with DP to continue from
 
 
+@pytest.mark.parametrize("listed, carried", [
+    ([], ["continued_from_private_model"]),
+    (["non_private"], ["non_private"]),
+    (["clipping_not_verified", "reproducible_noise"], ["clipping_not_verified", "upstream_reproducible_noise",
+                                                       "continued_from_private_model"]),
+    ("non_private", ["non_private"]),  # not a list: unreadable, so taken as non-private
+    (None, ["non_private"]),
+])
+def test_a_copied_model_folder_carries_the_flags_of_its_marker(tmp_path, listed, carried):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    assert copied_model_flags(copy) == [] and start_model_flags(copy) == []  # no marker: any folder
+    (copy / "dptext_origin.json").write_text("{not json" if listed is None else json.dumps({"flags": listed}))
+    assert copied_model_flags(copy) == carried and start_model_flags(copy) == carried
+
+
 @pytest.mark.parametrize("first_private", [True, False])
 def test_a_run_from_a_model_dptext_trained_carries_its_flags_and_warns(reviews, tmp_path, capsys, first_private):
     first = tmp_path / "first"
@@ -60,6 +77,16 @@ def test_a_run_from_a_model_dptext_trained_carries_its_flags_and_warns(reviews, 
     else:  # the start model learnt the private data without noise: nothing the second run learnt is covered
         assert "non_private" in flags and flags["non_private"] == FLAG_REASONS["non_private"]
         assert statuses["model/model.safetensors"] == "not_covered"
+    first_flags, first_statuses = released(first)
+    assert first_statuses["model/dptext_origin.json"] == "public"
+    assert json.loads((first / "model" / "dptext_origin.json").read_text())["flags"] == sorted(first_flags)
+    copy = tmp_path / "elsewhere" / "my-model"  # model/ copied out of its run: its marker goes with it
+    shutil.copytree(first / "model", copy)
+    from_copy = tmp_path / "from_copy"
+    run_finetune(config.load_recipe(None, overrides(reviews, "from_copy", str(copy))), out=from_copy,
+                 output=Output())
+    assert "model.name is a model dptext trained" in capsys.readouterr().err
+    assert released(from_copy) == (flags, statuses)
     fresh = tmp_path / "fresh"
     run_finetune(config.load_recipe(None, overrides(reviews, "fresh")), out=fresh)
     assert released(fresh)[0] == {}

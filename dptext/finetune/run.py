@@ -38,7 +38,7 @@ from dptext.finetune.user_level import (check_single_process, evaluation_users, 
                                        user_level, user_unit_text)
 from dptext.finetune.validate import validate_run
 from dptext.output import Output
-from dptext.finetune.start_model import dptext_output_of, start_model_flags
+from dptext.finetune.start_model import start_model_flags, start_model_source
 from dptext.release import inherited_flags, recipe_flags, recipe_unit
 from dptext.runs import FINAL_EVALUATION, MODEL_DIR, RunDir, atomic_directory, atomic_write_json, write_manifest
 from dptext.tasks.eval_journal import EvaluationJournal, records_digest, weights_digest
@@ -282,7 +282,7 @@ def _announce(training: Any, output: Any, run: Any = None) -> None:
         if run is not None and plan.delta * plan.dataset_size >= 1:  # δ ≥ 1/n: n and δ kept with the run
             run.log_diagnostics({"event": "delta_warning", "step": 0, "n": plan.dataset_size, "delta": plan.delta,
                                  "warning": warning})
-    start = dptext_output_of(recipe.model.name)
+    start = start_model_source(recipe.model.name)
     if start is not None:
         output.warn(f"model.name is a model dptext trained ({start}): this run's ε covers only its own training; "
                     "what the start model learnt keeps its own ε and flags (carried into this run's release.json), "

@@ -9,17 +9,20 @@ The folder is found as the loader finds it (``~`` expanded) and also through a s
 folders are looked at too); a DPTrainer's output_dir (kind ``trainer``) trained with DP as a run does, and a run
 directory written before release.json existed is known by its resolved.yaml. A folder its output registers as
 public (a distill student's ``student_init/``, cut from a public model) learnt nothing from the data: no flags.
+A copy of ``model/`` made outside its run carries the run's flags in its ``dptext_origin.json`` (runs since
+1 Dec 2026; a copy of an older run's model folder says nothing and is taken as any folder).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import yaml
 
-from dptext.release import (MANIFEST, PUBLIC, REGISTRIES, UnregisteredOutput, entry_for, inherited_flags,
-                            read_manifest)
+from dptext.release import (MANIFEST, ORIGIN, PUBLIC, REGISTRIES, UnregisteredOutput, entry_for,
+                            inherited_flags, read_manifest)
 
 RESOLVED = "resolved.yaml"  # a run directory's recipe (dptext.runs.RESOLVED), older than its release.json
 TRAINED = ("run", "trainer")  # outputs whose models trained on the private data (a synth folder holds none)
@@ -67,13 +70,42 @@ def _older_run_flags(folder: Path) -> list[str]:
     return [] if enabled is not False else ["non_private"]
 
 
+def origin_marker(model_name: str | Path) -> Path | None:
+    """The ``dptext_origin.json`` a run wrote into its model folder, when ``model_name`` is such a folder."""
+    name = str(model_name)
+    marker = Path(os.path.expanduser(name) if name.startswith("~") else name) / Path(ORIGIN).name
+    return marker if name and marker.is_file() else None
+
+
+def start_model_source(model_name: str | Path) -> str | None:
+    """Where the start model shows that dptext trained it (its output folder, or its origin marker), or None."""
+    source = dptext_output_of(model_name)
+    return str(source) if source is not None else (str(origin_marker(model_name) or "") or None)
+
+
+def copied_model_flags(model_name: str | Path) -> list[str]:
+    """A copy of a run's ``model/`` made outside its run directory: the flags its ``dptext_origin.json`` lists
+    (``release.ORIGIN``), as for the run itself; one that cannot be read counts as non-private (fail closed)."""
+    marker = origin_marker(model_name)
+    if marker is None:
+        return []
+    try:
+        listed = json.loads(marker.read_text())["flags"]
+        if not isinstance(listed, list) or not all(isinstance(flag, str) for flag in listed):
+            raise ValueError(listed)
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = ["non_private"]
+    private = "non_private" not in listed
+    return inherited_flags(None, listed) + (["continued_from_private_model"] if private else [])
+
+
 def start_model_flags(model_name: str | Path) -> list[str]:
     """What a run whose start model dptext trained carries of it: that model's own flags (as a student carries a
     teacher's: a non-private start model takes this run's results out of the guarantee) and, where it trained on
     private data with DP, ``continued_from_private_model``."""
     source = dptext_output_of(model_name)
     if source is None:
-        return []
+        return copied_model_flags(model_name)
     found = read_manifest(source)
     if found is None:
         carried = _older_run_flags(source)
