@@ -38,11 +38,12 @@ from dptext.distill.task import DistillationTask
 from dptext.errors import UserError
 from dptext.finetune.run import run_finetune
 from dptext.finetune.setup import build_training, pick_device
+from dptext.finetune.start_model import origin_marker
 from dptext.finetune.task_probe import verify_with_task
 from dptext.model_check import check_model_name
 from dptext.models import load_model
 from dptext.output import Output
-from dptext.release import MANIFEST
+from dptext.release import MANIFEST, ORIGIN
 from dptext.runs import RunDir, atomic_write_json
 from dptext.tasks.language_modeling import LanguageModelingTask
 
@@ -109,18 +110,21 @@ def check_same_partition(recipe: Any, teacher_recipe: Any, teacher_run: str) -> 
 
 
 def check_public_student(name: str, key: str = "distill.student") -> None:
-    """The student's start (student_init/, registered public) must be a public model: a model folder inside a
-    dptext run directory or synth folder holds weights learnt from private data (without DP, or with an ε the
-    student's claim does not count), so it is refused."""
+    """The student's start (student_init/, registered public) must be a public model: a model folder in a dptext run
+    directory or synth folder, or copied from a run's model/ (its dptext_origin.json), holds weights learnt from
+    private data (without DP, or with an ε the student's claim does not count), so it is refused."""
     folder = Path(os.path.expanduser(name))
     if not folder.is_dir():
         return
-    for parent in [folder.resolve(), *folder.resolve().parents][:4]:
-        if any((parent / marker).is_file() for marker in (MANIFEST, "resolved.yaml", "result.json")):
-            raise UserError(f"{key} '{name}' lies in the dptext run directory '{parent}': its weights were "
-                            "trained on private data, which the student's privacy claim does not count and its "
-                            "student_init/ (public) would republish; start from a public pretrained model (a hub "
-                            "name, an offline alias, or a layer subset of the teacher's base model).")
+    parents = [folder.resolve(), *folder.resolve().parents][:4]
+    inside = [p for p in parents if any((p / m).is_file() for m in (MANIFEST, "resolved.yaml", "result.json"))]
+    where = (f"lies in the dptext run directory '{inside[0]}'" if inside else  # or a copy of a run's model/:
+             f"is a copy of a dptext run's model ({Path(ORIGIN).name} in it)" if origin_marker(name) else None)
+    if where is not None:
+        raise UserError(f"{key} '{name}' {where}: its weights were trained on private data, which the student's "
+                        "privacy claim does not count and its student_init/ (public) would republish; start from a "
+                        "public pretrained model (a hub name, an offline alias, or a layer subset of the teacher's "
+                        "base model).")
 
 
 def synthetic_provenance(folder: str, teacher_run: str | None) -> dict[str, Any]:
