@@ -54,6 +54,11 @@ LATEST = "LATEST"
 STAGING = re.compile(r"\.[^.].*-[a-z0-9_]{8}")  # atomic_directory's tempfile.mkdtemp(prefix=".NAME-") folders
 
 
+def origin(flags: Any) -> dict[str, Any]:
+    """The content of a run's ``model/dptext_origin.json`` (``release.ORIGIN``): the run's flags."""
+    return {"written_by": "dptext", "kind": "run", "flags": sorted(set(flags))}
+
+
 class RunDir:
     """One run's directory. Create with ``RunDir.create``; reopen for resume with ``RunDir.open``."""
 
@@ -186,8 +191,8 @@ class RunDir:
         atomic_write_json(self.path / RESULT, result)
         write_manifest(self.path, "run", flags)
         if (self.path / "model").is_dir():  # a copy of model/ made outside the run still says what it learnt
-            listed = sorted((release.read_manifest(self.path) or {}).get("flags", {}))
-            atomic_write_json(self.path / release.ORIGIN, {"written_by": "dptext", "kind": "run", "flags": listed})
+            atomic_write_json(self.path / release.ORIGIN, origin((release.read_manifest(self.path) or {}).get(
+                "flags", {})))
 
     def load_result(self) -> dict[str, Any] | None:
         return read_json(self.path / RESULT, "the run's result")

@@ -2,12 +2,15 @@
 its run must not start a new output with a silently wrong privacy claim.
 
 Found: a copied model folder was a public ``distill.student`` (its weights, learnt from the private data, went into
-the student's ``student_init/``, registered public, and the student's claim left them out).
+the student's ``student_init/``, registered public, and the student's claim left them out); a run cut off between
+saving ``model/`` and ``result.json`` (a failed curve, a stray file ``write_manifest`` refuses, Ctrl-C) left a
+``model/`` without its marker, so a copy of it was any folder.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,10 @@ import pytest
 from dptext import config
 from dptext.distill.run import check_public_student, run_distill
 from dptext.errors import UserError
+from dptext.finetune import run_finetune
+from dptext.finetune.start_model import start_model_flags
+
+from test_start_model import overrides
 
 
 def copied_model(folder: Path, flags: list[str]) -> Path:
@@ -36,3 +43,18 @@ def test_a_copied_model_folder_is_no_public_distill_student(tmp_path, flags):
     with pytest.raises(UserError, match="distill.student"):
         run_distill(recipe, out=tmp_path / "student")
     assert not (tmp_path / "student" / "student_init").exists()
+
+
+@pytest.mark.integration
+def test_a_run_cut_off_after_saving_its_model_leaves_a_marker_in_it(reviews, tmp_path, monkeypatch):
+    def cut_off(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("dptext.finetune.run.maybe_write_curve", cut_off)
+    first = tmp_path / "first"
+    with pytest.raises(KeyboardInterrupt):
+        run_finetune(config.load_recipe(None, overrides(reviews, "first") + ["privacy.enabled=false"]), out=first)
+    assert (first / "model").is_dir() and not (first / "result.json").exists()
+    copy = tmp_path / "elsewhere" / "my-model"
+    shutil.copytree(first / "model", copy)
+    assert start_model_flags(copy) == ["non_private"]

@@ -15,6 +15,7 @@ directory, evaluates and returns the result, the others return ``{"follower": Tr
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from pathlib import Path
@@ -39,8 +40,9 @@ from dptext.finetune.user_level import (check_single_process, evaluation_users, 
 from dptext.finetune.validate import validate_run
 from dptext.output import Output
 from dptext.finetune.start_model import start_model_flags, start_model_source
-from dptext.release import inherited_flags, recipe_flags, recipe_unit
-from dptext.runs import FINAL_EVALUATION, MODEL_DIR, RunDir, atomic_directory, atomic_write_json, write_manifest
+from dptext.release import ORIGIN, inherited_flags, recipe_flags, recipe_unit
+from dptext.runs import (FINAL_EVALUATION, MODEL_DIR, RunDir, atomic_directory, atomic_write_json, origin,
+                         write_manifest)
 from dptext.tasks.eval_journal import EvaluationJournal, records_digest, weights_digest
 
 
@@ -75,6 +77,8 @@ def save_model(training: Any, run: RunDir, full_state: dict | None = None) -> Pa
     with atomic_directory(target) as staging, sharding.as_unsharded_class(training.model) as model:
         model.save_pretrained(staging, **({"state_dict": full_state} if full_state is not None else {}))
         training.tokenizer.save_pretrained(staging)
+        # its marker from the start: a run cut off before save_result leaves no model/ a copy of which says nothing
+        (staging / Path(ORIGIN).name).write_text(json.dumps(origin(release_flags(training))) + "\n")
     return target
 
 
