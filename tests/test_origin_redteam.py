@@ -4,7 +4,9 @@ its run must not start a new output with a silently wrong privacy claim.
 Found: a copied model folder was a public ``distill.student`` (its weights, learnt from the private data, went into
 the student's ``student_init/``, registered public, and the student's claim left them out); a run cut off between
 saving ``model/`` and ``result.json`` (a failed curve, a stray file ``write_manifest`` refuses, Ctrl-C) left a
-``model/`` without its marker, so a copy of it was any folder.
+``model/`` without its marker, so a copy of it was any folder; and a marker was ignored wherever the copy lay
+within two folders of another dptext output's release.json (a DPTrainer's ``output_dir='.'``), whose flags replaced
+the copy's own (a non-private copy lost ``non_private``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dptext.distill.run import check_public_student, run_distill
 from dptext.errors import UserError
 from dptext.finetune import run_finetune
 from dptext.finetune.start_model import start_model_flags
+from dptext.runs import write_manifest
 
 from test_start_model import overrides
 
@@ -58,3 +61,13 @@ def test_a_run_cut_off_after_saving_its_model_leaves_a_marker_in_it(reviews, tmp
     copy = tmp_path / "elsewhere" / "my-model"
     shutil.copytree(first / "model", copy)
     assert start_model_flags(copy) == ["non_private"]
+
+
+def test_a_copy_near_another_output_keeps_its_own_marker(tmp_path, monkeypatch):
+    """A DPTrainer whose output_dir is the project folder: a non-private copy two folders below it stays so."""
+    project = tmp_path / "project"
+    copy = copied_model(project / "models" / "baseline", ["non_private"])
+    write_manifest(project, "trainer", [])
+    assert start_model_flags(copy) == ["non_private"]
+    monkeypatch.chdir(project)
+    assert start_model_flags("models/baseline") == ["non_private"]

@@ -113,4 +113,8 @@ def start_model_flags(model_name: str | Path) -> list[str]:
     else:
         carried = inherited_flags(source)
         private = found.get("kind", "run") in TRAINED and "non_private" not in found.get("flags", {})
-    return carried + (["continued_from_private_model"] if private else [])
+    # a marker in the folder itself holds too: a copy laid within two folders of another output (a DPTrainer's
+    # output_dir='.') keeps its own flags, which that output's do not replace
+    flags = list(dict.fromkeys(carried + (["continued_from_private_model"] if private else [])
+                               + copied_model_flags(model_name)))
+    return [flag for flag in flags if flag != "continued_from_private_model"] if "non_private" in flags else flags
