@@ -6,7 +6,8 @@ the student's ``student_init/``, registered public, and the student's claim left
 saving ``model/`` and ``result.json`` (a failed curve, a stray file ``write_manifest`` refuses, Ctrl-C) left a
 ``model/`` without its marker, so a copy of it was any folder; and a marker was ignored wherever the copy lay
 within two folders of another dptext output's release.json (a DPTrainer's ``output_dir='.'``), whose flags replaced
-the copy's own (a non-private copy lost ``non_private``).
+the copy's own (a non-private copy lost ``non_private``); and the start model's flags were looked up only when the
+run ended, so a start folder removed while the run trained (a copy on scratch space) left a silently clean claim.
 """
 
 from __future__ import annotations
@@ -71,3 +72,25 @@ def test_a_copy_near_another_output_keeps_its_own_marker(tmp_path, monkeypatch):
     assert start_model_flags(copy) == ["non_private"]
     monkeypatch.chdir(project)
     assert start_model_flags("models/baseline") == ["non_private"]
+
+
+@pytest.mark.integration
+def test_a_start_model_gone_before_the_run_ends_still_counts(reviews, tmp_path, monkeypatch):
+    """The copy (on scratch space, say) is removed while the run trains: what it learnt is still carried."""
+    first = tmp_path / "first"
+    run_finetune(config.load_recipe(None, overrides(reviews, "first") + ["privacy.enabled=false"]), out=first)
+    copy = tmp_path / "scratch" / "my-model"
+    shutil.copytree(first / "model", copy)
+    from dptext.finetune import run as finetune_run
+
+    def loop_then_clean(*args: object, **kwargs: object) -> object:
+        done = original(*args, **kwargs)
+        shutil.rmtree(copy)
+        return done
+
+    original = finetune_run.run_loop
+    monkeypatch.setattr(finetune_run, "run_loop", loop_then_clean)
+    run_finetune(config.load_recipe(None, overrides(reviews, "second", str(copy))), out=tmp_path / "second")
+    assert not copy.exists()
+    manifest = json.loads((tmp_path / "second" / "release.json").read_text())
+    assert "non_private" in manifest["flags"]

@@ -122,7 +122,7 @@ def release_flags(training: Any) -> list[str]:
     if claim.get("code_distribution", {}).get("mechanism") == "exact":
         flags.append("exact_codes")
     carried = inherited_flags((claim.get("teacher") or {}).get("teacher_run"))
-    return list(dict.fromkeys(flags + carried + start_model_flags(training.recipe.model.name)))
+    return list(dict.fromkeys(flags + carried + training.start_flags))
 
 
 def run_finetune(recipe: Any = None, out: str | Path | None = None, resume: str | Path | None = None,
@@ -181,6 +181,7 @@ def _train(recipe: Any, out: Any, resume: Any, output: Any, build: Any, stop: An
     started = time.monotonic()
     try:
         training = build(recipe, run) if build is not None else build_training(recipe)
+        training.start_flags = start_model_flags(training.recipe.model.name)  # as loaded (it may go before the end)
     except BaseException:  # a failed start leaves nothing (a kill here leaves a folder --resume or a re-run takes over)
         if resume is None and dist.is_writer:
             run.remove_unstarted(keep_folder=existed)

@@ -65,6 +65,7 @@ class Training:
     selection: Any = None  # dptext.finetune.selection.Selection when the recipe selects on validation
     users: Any = None  # privacy.unit=user: the example indices of each user (the privacy units), else None
     split_copies: int = 0  # evaluation records with a word-for-word copy in the training split (not covered)
+    start_flags: list = field(default_factory=list)  # what the start model carries (finetune.start_model)
 
     @property
     def private(self) -> bool:
