@@ -56,6 +56,36 @@ def test_a_gradient_not_issued_by_the_engine_is_refused_not_folded_into_a_unit()
         engine.accumulate(model(x[:1]).pow(2).sum(1))
 
 
+@pytest.mark.parametrize("between", ["chunks", "last_chunk_and_close"])
+def test_a_backward_between_the_chunks_of_a_micro_batch_is_refused(between):
+    """Only the start of a micro-batch was checked: a plain backward over other examples between its chunks (or after
+    its last, before close_unit) joined its clip unseen, so those examples moved two units, 4C where 2C is
+    accounted. Now .grad must be as the engine's own backward left it (the tensor and its version counter)."""
+    model, _, engine = engine_for(noise_multiplier=0.0)
+    x = torch.randn(6, 4)
+    engine.accumulate(model(x[:2]).pow(2).sum(1))  # the unit's first chunk
+    model(x[2:]).pow(2).sum().backward()  # other examples, not through engine.accumulate
+    with pytest.raises(UserError, match="not issued by the engine"):
+        if between == "chunks":
+            engine.accumulate(model(x[:1]).pow(2).sum(1))
+        else:
+            engine.close_unit()
+    assert all(param.grad is None for param in model.parameters()) and engine.clipped_grads() == {}
+
+
+def test_chunks_of_one_micro_batch_add_up_as_one():
+    """The check lets the engine's own chunks through: two chunks clip as the whole micro-batch does."""
+    x = torch.randn(6, 4)
+    norms = []
+    for chunks in ([x[:3], x[3:]], [x]):
+        model, _, engine = engine_for(noise_multiplier=0.0)
+        for chunk in chunks:
+            engine.accumulate(model(chunk).pow(2).sum(1))
+        norms.append(engine.close_unit())
+        sums = engine.clipped_grads()
+    assert norms[0] == pytest.approx(norms[1]) and all(torch.isfinite(g).all() for g in sums.values())
+
+
 def test_a_decaying_schedule_is_refused_before_its_noise_falls_below_the_floor():
     """z_0 was checked against the floor, z_t never: exp:800 underflowed to σ_t = 0 at the second epoch, whose
     step was applied with NO noise before the ledger refused σ = 0 (the update stayed in the model); exp:30 ran at

@@ -63,7 +63,8 @@ def run_two_ranks(script: str, out: Path, timeout: float, ranks: int = 2, env: d
     env = {**os.environ, "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", **(env or {})}
     entry = str(Path(__file__).with_name("rank_entry.py"))  # ends each rank past the interpreter's teardown
-    procs = [subprocess.Popen([sys.executable, entry, script, str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+    procs = [subprocess.Popen([sys.executable, entry, script, str(out)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(ranks)]
     logs = []
     try:

@@ -71,7 +71,8 @@ def train_step(training: Any, sampled: Any) -> tuple[float | None, int]:
     indices, users = (sampled.indices, sampled.users) if isinstance(sampled, UserBatch) else (sampled, None)
     total, count = 0.0, 0
     distributed = training.dist is not None and training.dist.active
-    # eDP-SGD clips whole micro-batches: its units are the sampled examples of each fixed slot (dptext.privacy.mechanisms.edp)
+    # eDP-SGD clips whole micro-batches: its units are the sampled examples of each fixed slot
+    # (dptext.privacy.mechanisms.edp)
     units = getattr(training.engine, "clipping_units", None)
     for unit in units(indices) if units else [indices]:
         for chunk, owners in chunks_of(training, unit, users):

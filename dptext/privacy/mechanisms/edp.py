@@ -42,7 +42,7 @@ from dptext.accounting.schedule import CONSTANT, NoiseSchedule
 from dptext.errors import UserError
 from dptext.accounting.pld import MIN_SIGMA
 from dptext.privacy.settings import check_noise, fixed_setting
-from dptext.privacy.proof.step_checks import refuse_foreign_step
+from dptext.privacy.proof.step_checks import FOREIGN_GRADIENT, grads_as_left, grads_now, refuse_foreign_step
 from dptext.privacy.clipping.sums import STABILITY
 from dptext.privacy.proof.edp_probe import probe_edp
 from dptext.privacy.engine import PrivacyEngine
@@ -50,8 +50,8 @@ from dptext.privacy.noise.optimizer import DPOptimizer, NoiseSource
 from dptext.privacy.clipping.call_checks import refuse_mode_around
 from dptext.privacy.clipping.plan import _check_optimizer
 from dptext.privacy.mechanisms.edp_accounting import check_floor, describe, lowest_sigma
-from dptext.privacy.mechanisms.edp_scaling import (ALPHA_FLOOR, SCALINGS, alphas_from_gradients,  # noqa: F401 (re-exported)
-                                        check_alphas)
+from dptext.privacy.mechanisms.edp_scaling import (ALPHA_FLOOR, SCALINGS, alphas_from_gradients,  # noqa: F401
+                                                   check_alphas)  # (ALPHA_FLOOR re-exported)
 from dptext.privacy.noise.randomness import RandomRoot, keyed_hash
 from dptext.privacy.sampling.sampler import make_sampler
 
@@ -118,14 +118,13 @@ class EDPEngine:
         rank = self.distributed.rank if self.distributed else 0
         self._set_slot_rule(record_ids, rank)
         self._record_step = getattr(ledger, "record_step", ledger)
-        self._sampler, self.steps, self._unit_examples = None, 0, 0
+        self._sampler, self.steps, self._unit_examples, self._left = None, 0, 0, None
         self.verified = False  # set by verify(): the synthetic probe matched brute force
         # verify_first False: the user opted out of the proof, and mechanism() says so
         self.verify_first, self._verifying, self._probe_args = bool(verify), False, (probe_batch, probe_loss)
         # the proof by default, as PrivacyEngine: before the first training forward, on synthetic inputs
         self._prove_hook = model.register_forward_pre_hook(self._prove_before_first_forward, prepend=True)
-        # as PrivacyEngine: the optimizer updates only on the engine's privatized gradients (a plain backward +
-        # optimizer.step() would apply raw, unclipped, un-noised gradients that the ledger never sees)
+        # as PrivacyEngine: the optimizer updates only on privatized gradients (not a plain backward's raw ones)
         self._step_guard = optimizer.register_step_pre_hook(partial(refuse_foreign_step, self))
         self.dp_optimizer = DPOptimizer(
             optimizer, self.params, self.noise_multiplier, self.max_grad_norm, self.slots,
@@ -163,10 +162,8 @@ class EDPEngine:
 
     def shard(self) -> list[int] | None:
         """The examples this rank owns under torchrun: those whose slot lives here (slot mod N = rank)."""
-        if not self.distributed:
-            return None
-        if self.slot_table is None:
-            return self.distributed.shard(self.dataset_size)
+        if not self.distributed or self.slot_table is None:
+            return self.distributed.shard(self.dataset_size) if self.distributed else None
         rank, world = self.distributed.rank, self.world_size
         return [i for i, slot in enumerate(self.slot_table) if slot % world == rank]
 
@@ -206,19 +203,22 @@ class EDPEngine:
             raise UserError("Pass one loss per example (a 1-D tensor), not a batch-averaged scalar.")
         if per_example_loss.numel() == 0:
             return
-        if self._unit_examples == 0 and any(param.grad is not None for param in self.params):
-            # a backward the engine did not issue (e.g. over the whole batch) would join this unit's clip: each
-            # example would then move two units, 4C where 2C is accounted
-            self.zero_grad()
-            raise UserError("A gradient not issued by the engine is in .grad at the start of a micro-batch (a plain "
-                            "loss.backward()?); only engine.accumulate may compute gradients of private data. "
-                            "Call engine.zero_grad() to drop it.")
+        self._check_grads()
         per_example_loss.float().sum().backward()
         self._unit_examples += per_example_loss.numel()
+        self._left = grads_now(self.params)
+
+    def _check_grads(self) -> None:
+        """A backward the engine did not issue (over the whole batch, or between a unit's chunks) would join this
+        unit's clip: an example would move two units, 4C where 2C is accounted. Refused, the unit dropped."""
+        if not grads_as_left(self.params, self._left if self._unit_examples else None):
+            self.zero_grad()
+            raise UserError(FOREIGN_GRADIENT)
 
     def close_unit(self) -> float | None:
         """Clip the micro-batch accumulated since the last call: Δ/α clipped to C; returns its scaled norm."""
         refuse_mode_around("close_unit")  # (a mode could zero the norm: the unit would join unclipped)
+        self._check_grads()
         count, self._unit_examples = self._unit_examples, 0
         if count == 0:
             return None

@@ -1,5 +1,5 @@
-"""What an eDP-SGD engine (``dptext.privacy.mechanisms.edp``) is accounted as: the mechanism's description for the run summary
-and the ledger, and the floor its decaying noise may not cross (the accountants' ``MIN_SIGMA``)."""
+"""What an eDP-SGD engine (``dptext.privacy.mechanisms.edp``) is accounted as: the mechanism's description for the
+run summary and the ledger, and the floor its decaying noise may not cross (the accountants' ``MIN_SIGMA``)."""
 
 from __future__ import annotations
 

@@ -157,6 +157,26 @@ def check_no_foreign_backward(engine) -> None:
                         "engine.recorder.paused(); the logical batch so far was dropped.")
 
 
+FOREIGN_GRADIENT = ("A gradient not issued by the engine reached .grad in a micro-batch (a plain loss.backward(), or "
+                    ".grad clipped or edited between its chunks); only engine.accumulate may compute gradients of "
+                    "private data, so the micro-batch so far was dropped.")
+
+
+def grads_as_left(params, left: dict | None) -> bool:
+    """Whether every parameter's .grad is as the engine left it (``left``: ``grads_now`` after its last backward;
+    None: none yet, so every .grad must be empty). A backward the engine did not issue adds to a .grad in place
+    (its version counter moves) or replaces it, and fills an empty one."""
+    if left is None:
+        return all(param.grad is None for param in params)
+    return all(param.grad is grad and (grad is None or grad._version == version)
+               for param, (grad, version) in zip(params, left))
+
+
+def grads_now(params) -> list:
+    """Each parameter's .grad and its version counter, as the engine's own backward pass left them."""
+    return [(param.grad, None if param.grad is None else param.grad._version) for param in params]
+
+
 def check_trainable_set(engine) -> None:
     """Every parameter the model would train must be in this plan (gradual unfreezing, a replaced head), and every
     planned parameter must still be the model's (``load_state_dict(assign=True)`` or a dtype conversion that makes
