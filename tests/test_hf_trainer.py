@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,12 @@ def test_logged_epsilon_is_the_accountants_for_q_sigma_and_steps(tmp_path):
     checkpoint = json.loads((tmp_path / "checkpoint-2" / "privacy.json").read_text())  # what was spent by then
     assert checkpoint["steps"] == 2 and checkpoint["epsilon"] == pytest.approx(logged[1][1])
     assert "grad_norm" not in trainer.state.log_history[0]  # the Trainer's norm of .grad is meaningless here
+    # a checkpoint copied out of output_dir still says a DPTrainer trained it (its privacy.json's flags)
+    from dptext.finetune.start_model import start_model_flags
+
+    copied = shutil.copytree(tmp_path / "checkpoint-2", tmp_path.parent / f"{tmp_path.name}-copied-checkpoint")
+    assert checkpoint["written_by"] == "dptext.DPTrainer" and checkpoint["flags"] == []
+    assert start_model_flags(copied) == ["continued_from_private_model"]
 
 
 def test_target_epsilon_calibrates_sigma_for_the_planned_steps(tmp_path):

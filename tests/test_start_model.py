@@ -45,6 +45,19 @@ def test_only_a_folder_in_a_dptext_output_counts(tmp_path):
     assert start_model_flags(run / "model") == ["non_private"]  # nothing private with DP to continue from
 
 
+def test_a_copied_dptrainer_checkpoint_carries_its_privacy_reports_flags(tmp_path):
+    """A DPTrainer's checkpoint-N/ holds its privacy.json (written_by dptext.DPTrainer, with the trainer's flags): a
+    copy outside output_dir is known by it; a privacy.json another tool wrote is not a marker."""
+    copy = tmp_path / "checkpoint-copy"
+    copy.mkdir()
+    (copy / "privacy.json").write_text(json.dumps({"epsilon": 3.0, "flags": ["seeded_noise"]}))
+    assert start_model_flags(copy) == []  # not a DPTrainer's report
+    (copy / "privacy.json").write_text(json.dumps({"written_by": "dptext.DPTrainer", "flags": ["seeded_noise"]}))
+    assert start_model_flags(copy) == ["upstream_reproducible_noise", "continued_from_private_model"]
+    (copy / "privacy.json").write_text(json.dumps({"written_by": "dptext.DPTrainer", "flags": ["no_noise"]}))
+    assert start_model_flags(copy) == ["no_noise", "continued_from_private_model"]
+
+
 @pytest.mark.parametrize("listed, carried", [
     ([], ["continued_from_private_model"]),
     (["non_private"], ["non_private"]),

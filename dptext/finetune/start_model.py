@@ -26,6 +26,7 @@ from dptext.release import (MANIFEST, ORIGIN, PUBLIC, REGISTRIES, UnregisteredOu
 
 RESOLVED = "resolved.yaml"  # a run directory's recipe (dptext.runs.RESOLVED), older than its release.json
 TRAINED = ("run", "trainer")  # outputs whose models trained on the private data (a synth folder holds none)
+TRAINER = "dptext.DPTrainer"  # the ``written_by`` of a DPTrainer's privacy.json
 
 
 def _candidates(path: Path) -> list[Path]:
@@ -70,11 +71,23 @@ def _older_run_flags(folder: Path) -> list[str]:
     return [] if enabled is not False else ["non_private"]
 
 
+TRAINER_REPORT = "privacy.json"  # a DPTrainer's, in its output_dir and each checkpoint-N/ (written_by says whose)
+
+
 def origin_marker(model_name: str | Path) -> Path | None:
-    """The ``dptext_origin.json`` a run wrote into its model folder, when ``model_name`` is such a folder."""
+    """The ``dptext_origin.json`` a run wrote into its model folder, or the ``privacy.json`` a DPTrainer wrote into
+    its output_dir and each checkpoint (``written_by``: dptext.DPTrainer), when ``model_name`` is such a folder."""
     name = str(model_name)
-    marker = Path(os.path.expanduser(name) if name.startswith("~") else name) / Path(ORIGIN).name
-    return marker if name and marker.is_file() else None
+    folder = Path(os.path.expanduser(name) if name.startswith("~") else name)
+    if not name or not folder.is_dir():
+        return None
+    if (folder / Path(ORIGIN).name).is_file():
+        return folder / Path(ORIGIN).name
+    try:
+        report = json.loads((folder / TRAINER_REPORT).read_text())
+    except (OSError, ValueError):
+        return None
+    return folder / TRAINER_REPORT if isinstance(report, dict) and report.get("written_by") == TRAINER else None
 
 
 def start_model_source(model_name: str | Path) -> str | None:
@@ -84,8 +97,8 @@ def start_model_source(model_name: str | Path) -> str | None:
 
 
 def copied_model_flags(model_name: str | Path) -> list[str]:
-    """A copy of a run's ``model/`` made outside its run directory: the flags its ``dptext_origin.json`` lists
-    (``release.ORIGIN``), as for the run itself; one that cannot be read counts as non-private (fail closed)."""
+    """A copy of a run's ``model/`` (or of a DPTrainer's checkpoint) made outside its output: the flags its marker
+    lists (``origin_marker``), as for the output itself; a marker that cannot be read counts as non-private."""
     marker = origin_marker(model_name)
     if marker is None:
         return []

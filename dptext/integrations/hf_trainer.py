@@ -44,7 +44,7 @@ from dptext.integrations.trainer_checks import (check_privacy_arguments, refuse_
                                                 refuse_left_padding, refuse_unsupported_arguments,
                                                 refuse_unsupported_launch, without_trainer_clipping)
 from dptext.integrations.trainer_losses import BatchMaker, LossFn, base_model, loss_and_probe_batch
-from dptext.integrations.trainer_release import ReleaseListing, write_privacy_report
+from dptext.integrations.trainer_release import ReleaseListing, trainer_flags, write_privacy_report
 from dptext.privacy import PrivacyEngine
 
 logger = logging.getLogger(__name__)
@@ -290,7 +290,8 @@ class DPTrainer(ReleaseListing, Trainer):
         return {"epsilon": self.epsilon(), "delta": self.delta, "accountant": self.privacy.accountant,
                 "planned_steps": self.planned_steps, "dataset_size": self.dataset_size,
                 **self.engine.accounting(), "mechanism": self.engine.mechanism(),
-                "privacy_arguments": {k: v for k, v in asdict(self.privacy).items() if k != "seed"}}
+                "privacy_arguments": {k: v for k, v in asdict(self.privacy).items() if k != "seed"},
+                "written_by": "dptext.DPTrainer", "flags": trainer_flags(self.privacy, self.engine.noise_multiplier)}
 
     def save_privacy_report(self, folder: str) -> None:
         write_privacy_report(folder, self.privacy_report())
