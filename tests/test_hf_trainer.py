@@ -245,6 +245,20 @@ def test_deepspeed_and_fsdp_arguments_are_refused(tmp_path, field, value):
         str(refused.value).replace("FSDP", "fsdp")
 
 
+@pytest.mark.parametrize("optim", ["lomo", "adalomo", "galore_adamw_layerwise", "galore_adafactor_layerwise",
+                                   "apollo_adamw_layerwise"])
+def test_optimizers_that_update_inside_the_backward_are_refused(tmp_path, optim):
+    """LOMO and the layer-wise GaLore/APOLLO variants step each parameter from its raw gradient as the backward
+    reaches it (a hook per parameter), before the engine clips and noises anything: refused by name."""
+    args = training_args(tmp_path)
+    args.optim = optim  # (set after construction: building them needs their packages installed)
+    with pytest.raises(UserError) as refused:
+        refuse_unsupported_arguments(args)
+    assert one_sentence(str(refused.value)) and optim in str(refused.value)
+    args.optim = "galore_adamw"  # one step per batch from the noisy gradient: post-processing, accepted here
+    refuse_unsupported_arguments(args)
+
+
 @pytest.mark.parametrize("kind,precision,sizes", [("DEEPSPEED", "no", {}), ("FSDP", "no", {}),
                                                   ("MULTI_CPU", "bf16", {}), ("MULTI_GPU", "no", {"tensor": 2})])
 def test_launch_setups_that_break_dp_are_refused(kind, precision, sizes):

@@ -33,6 +33,9 @@ def without_trainer_clipping(args: Any) -> Any:
     return args
 
 
+IN_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")  # with the *_layerwise ones: an update per parameter during backward
+
+
 def refuse_unsupported_arguments(args: Any) -> None:
     """TrainingArguments that would make the run not what the accountant covers, or that the probe does not check."""
     if args.gradient_accumulation_steps != 1:
@@ -61,6 +64,11 @@ def refuse_unsupported_arguments(args: Any) -> None:
     if args.auto_find_batch_size:
         raise UserError("auto_find_batch_size restarts training after an out-of-memory error, which would start a "
                         "second privacy account; set it to False and lower per_device_train_batch_size instead.")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim in IN_BACKWARD_OPTIMIZERS or optim.endswith("_layerwise"):
+        raise UserError(f"optim='{optim}' updates each parameter inside the backward pass from its raw gradient, "
+                        "before the engine clips and noises it; choose one that steps once per batch, such as "
+                        "adamw_torch or galore_adamw (not a _layerwise one).")
     if args.n_gpu > 1:
         raise UserError("One process driving several GPUs (torch DataParallel) replicates the model past the "
                         "engine's hooks; launch one process per GPU with torchrun or accelerate launch.")
