@@ -238,18 +238,27 @@ def test_finetune_edp_public_scaling_single_process(shared_data, tmp_path):
     public = tmp_path / "public"  # not the training data: its dev split as the public set's train split
     public.mkdir()
     (public / "train.tsv").write_text((sst2 / "dev.tsv").read_text())
-    recipe = load_recipe(None, [
+    recipe_overrides = [
         "model.name=tiny-bert", "data.dataset=sst2", f"data.path={sst2}", "task.type=classification",
         "eval.split=validation", "data.max_train_examples=32", "data.max_eval_examples=8", "data.max_length=48",
         "train.batch_size=8", "train.max_steps=3", "privacy.target_epsilon=8", "privacy.method=edp_sgd",
         "privacy.edp_scaling=public", f"privacy.edp_public_path={public}", "privacy.edp_public_examples=8",
-        "privacy.edp_micro_batches_per_device=2"])
+        "privacy.edp_micro_batches_per_device=2"]
+    recipe = load_recipe(None, recipe_overrides)
     result = run_finetune(recipe, out=tmp_path / "run")
     mechanism = result["privacy"]["mechanism"]
     assert mechanism["scaling"] == "public" and not mechanism["scaling_leaks"] and mechanism["slots"] == 2
     assert "2C" in mechanism["guarantee"]
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert ledger["mechanism"]["z0"] == pytest.approx(2 * ledger["runs"][0]["noise_multiplier"])
+    copy = tmp_path / "copy"  # the private training split copied elsewhere: refused by content, not by path
+    copy.mkdir()
+    (copy / "train.tsv").write_text((sst2 / "train.tsv").read_text())
+    copied = [o if not o.startswith("privacy.edp_public_path=") else f"privacy.edp_public_path={copy}"
+              for o in recipe_overrides]
+    with pytest.raises(UserError, match="holds a copy of the private training records"):
+        run_finetune(load_recipe(None, copied), out=tmp_path / "copied")
+    assert not (tmp_path / "copied").exists()  # refused before a run folder was left behind
     leaking = load_recipe(None, ["privacy.method=edp_sgd", "privacy.edp_scaling=first_step"])
     assert leaking.privacy.edp_scaling == "first_step"
     with pytest.raises(UserError, match="edp_public_path"):

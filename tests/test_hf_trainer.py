@@ -48,8 +48,8 @@ def classifier_model():
                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)[0]
 
 
-def dataset(classification: bool = False) -> list[dict]:
-    generator = torch.Generator().manual_seed(0)
+def dataset(classification: bool = False, seed: int = 0) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(N):
         length = int(torch.randint(3, 10, (1,), generator=generator))

@@ -153,7 +153,7 @@ def test_left_padding_with_absolute_positions_does_not_let_examples_interact(tmp
 
 
 def test_evaluate_given_the_training_data_is_refused_and_held_out_data_is_evaluated(tmp_path):
-    data, held_out = dataset(), dataset()
+    data, held_out = dataset(), dataset(seed=1)  # held out: other rows
     trainer = DPTrainer(model=causal_model(), args=training_args(tmp_path), train_dataset=data,
                         eval_dataset=held_out, data_collator=collate,
                         privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8, noise_multiplier=1.0))
@@ -163,6 +163,27 @@ def test_evaluate_given_the_training_data_is_refused_and_held_out_data_is_evalua
     with pytest.raises(UserError, match="eval_dataset is the training data"):
         trainer.evaluate({"train": data, "other": held_out})
     assert "eval_loss" in trainer.evaluate()
+
+
+def test_evaluate_given_a_copy_of_the_training_rows_is_refused(tmp_path):
+    """Only the training dataset object itself was told: a copy of its rows (a re-built list, the same rows
+    re-tokenized) was evaluated, its metrics exact statistics of the private records, listed covered. A set more
+    than half of whose rows are training rows by content is refused; a few equal rows in a held-out set are not."""
+    data, held_out = dataset(), dataset(seed=1)  # held out: other rows
+    trainer = DPTrainer(model=causal_model(), args=training_args(tmp_path), train_dataset=data,
+                        eval_dataset=held_out, data_collator=collate,
+                        privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8, noise_multiplier=1.0))
+    trainer.train()
+    copied = [{key: (value.clone() if torch.is_tensor(value) else copy.deepcopy(value)) for key, value in row.items()}
+              for row in data]
+    with pytest.raises(UserError, match="a copy of its rows"):
+        trainer.evaluate(copied)
+    with pytest.raises(UserError, match="a copy of its rows"):
+        trainer.evaluate({"held_out": held_out, "copy": copied[: len(copied) // 2 + 1]})
+    trainer.eval_dataset = copied  # the dataset the Trainer evaluates when given none
+    with pytest.raises(UserError, match="a copy of its rows"):
+        trainer.evaluate()
+    assert "eval_loss" in trainer.evaluate(held_out[:-1] + copied[:1])  # one equal row: another set's record
 
 
 def test_a_right_padding_collator_still_trains(tmp_path):

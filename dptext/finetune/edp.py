@@ -66,7 +66,16 @@ def scaling_examples(recipe: Any, training: Any) -> list:
         raise UserError("privacy.edp_scaling=public needs privacy.edp_public_path (public examples in the "
                         "training data's format); or use edp_scaling=uniform.")
     data = replace(recipe.data, path=privacy.edp_public_path, max_train_examples=privacy.edp_public_examples)
-    return training.task.encode(load_records(data, "train"))
+    public = training.task.encode(load_records(data, "train"))
+    private = set(record_ids(training.examples))
+    if public and sum(each in private for each in record_ids(public)) * 2 > len(public):
+        # validate.py refuses the training data's own path; a copy elsewhere is told by content (most of its
+        # examples are training examples; a few equal ones are records of another set)
+        raise UserError(f"privacy.edp_public_path '{privacy.edp_public_path}' holds a copy of the private training "
+                        "records (most of its examples are training examples), so α measured on it would depend "
+                        "on the private data; point it at public examples, or say so with edp_scaling=first_step "
+                        "(not covered by ε).")
+    return public
 
 
 def build_edp(training: Any, dist: Any, probe_now: bool = True) -> None:

@@ -8,6 +8,8 @@ privacy, it is post-processing), so it is set to 0 with a warning.
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 import math
 from typing import Any
@@ -115,15 +117,35 @@ def check_privacy_arguments(privacy: Any) -> None:
                         "thousands or beyond (no meaningful privacy); raise it (or use 0 only to test clipping).")
 
 
-def refuse_evaluation_on_training_data(eval_dataset: Any, train_dataset: Any) -> None:
+def row_digest(row: Any) -> bytes:
+    """A digest of one dataset row's content (its model inputs as values, not as objects)."""
+    items = row.items() if isinstance(row, dict) else [("", row)]
+    parts = [(key, value.tolist() if torch.is_tensor(value) else value) for key, value in sorted(items, key=str)]
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def row_digests(dataset: Any) -> set[bytes]:
+    """The digests of every row of a sized dataset (an empty set for one without a length)."""
+    return {row_digest(dataset[i]) for i in range(len(dataset))} if hasattr(dataset, "__len__") else set()
+
+
+def refuse_evaluation_on_training_data(eval_dataset: Any, train_dataset: Any, training_rows=None) -> None:
     """Metrics on the training records are exact statistics of private data, not post-processing of the DP model,
     and load_best_model_at_end, reduce_lr_on_plateau or early stopping would steer the weights by them (red team,
-    session 29). Only the same dataset object can be told; a copy of the training rows is the caller's to avoid."""
+    session 29). The same dataset object, or one more than half of whose rows are training rows by content (a copy;
+    a few rows that happen to be equal are records of another set): ``training_rows``, the training rows' digests
+    (``row_digests``, computed once by the caller)."""
     datasets = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
-    if train_dataset is not None and any(data is train_dataset for data in datasets):
-        raise UserError("eval_dataset is the training data: its metrics are exact statistics of the private records "
-                        "that ε does not cover (and anything steered by them, such as load_best_model_at_end, "
-                        "would not be covered either); evaluate on held-out data.")
+    for data in datasets:
+        if train_dataset is None or data is None:
+            continue
+        copied = data is not train_dataset and training_rows and hasattr(data, "__len__") and len(data) and \
+            sum(row_digest(data[i]) in training_rows for i in range(len(data))) * 2 > len(data)
+        if data is train_dataset or copied:
+            raise UserError(f"eval_dataset is the training data{' (a copy of its rows)' if copied else ''}: its "
+                            "metrics are exact statistics of the private records that ε does not cover (and "
+                            "anything steered by them, such as load_best_model_at_end, would not be covered "
+                            "either); evaluate on held-out data.")
 
 
 def refuse_left_padding(batch: dict[str, Any]) -> None:
