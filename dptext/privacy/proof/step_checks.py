@@ -8,6 +8,7 @@ invariant on the clipped sums. Messages never carry a value from the batch: thes
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from dptext.errors import UserError
@@ -162,19 +163,39 @@ FOREIGN_GRADIENT = ("A gradient not issued by the engine reached .grad in a micr
                     "private data, so the micro-batch so far was dropped.")
 
 
-def grads_as_left(params, left: dict | None) -> bool:
+def grads_as_left(params, left: list | None) -> bool:
     """Whether every parameter's .grad is as the engine left it (``left``: ``grads_now`` after its last backward;
     None: none yet, so every .grad must be empty). A backward the engine did not issue adds to a .grad in place
-    (its version counter moves) or replaces it, and fills an empty one."""
+    (its version counter moves) or replaces it, and fills an empty one; a write through ``.grad.data`` (a tensor
+    sharing the memory with a version counter of its own) keeps the counter but changes the values' norms."""
     if left is None:
         return all(param.grad is None for param in params)
-    return all(param.grad is grad and (grad is None or grad._version == version)
-               for param, (grad, version) in zip(params, left))
+    grads, versions, norms = left
+    if not all(param.grad is grad and (grad is None or grad._version == version)
+               for param, grad, version in zip(params, grads, versions)):
+        return False
+    now = _norms(grads)
+    return now is None or bool(((now == norms) | (now.isnan() & norms.isnan())).all())
 
 
 def grads_now(params) -> list:
-    """Each parameter's .grad and its version counter, as the engine's own backward pass left them."""
-    return [(param.grad, None if param.grad is None else param.grad._version) for param in params]
+    """Each parameter's .grad, its version counter and its norm, as the engine's own backward pass left them."""
+    grads = [param.grad for param in params]
+    return [grads, [None if grad is None else grad._version for grad in grads], _norms(grads)]
+
+
+def _norms(grads: list) -> Tensor | None:
+    """The norm of every .grad that is not None (one fused pass over the gradients), on the first one's device."""
+    dense = [grad.detach() for grad in grads if grad is not None and grad.layout == torch.strided]
+    sparse = [grad.detach().coalesce().values() for grad in grads if grad is not None and grad.layout != torch.strided]
+    norms = list(torch._foreach_norm(dense)) if dense else []
+    norms += [torch.linalg.vector_norm(values) for values in sparse]
+    if not norms:
+        return None
+    device, dtype = norms[0].device, norms[0].dtype
+    if any(norm.device != device or norm.dtype != dtype for norm in norms):  # (one stack when all alike)
+        norms = [norm.to(device, torch.float64) for norm in norms]
+    return torch.stack(norms)
 
 
 def check_trainable_set(engine) -> None:
