@@ -39,9 +39,9 @@ from dptext.accounting.events import check_delta, check_large_delta
 from dptext.errors import UserError
 from dptext.finetune.distributed import current as current_process_group
 from dptext.integrations.poisson_batches import LogicalBatch, PoissonBatches, model_input_collator
-from dptext.integrations.trainer_checks import (check_privacy_arguments, refuse_evaluation_on_training_data,
-                                                refuse_gradient_reducing_wrapper, refuse_hub_upload,
-                                                refuse_left_padding, refuse_unsupported_arguments, row_digests,
+from dptext.integrations.trainer_checks import (check_privacy_arguments, refuse_evaluation_of,
+                                                refuse_evaluation_on_training_data, refuse_gradient_reducing_wrapper,
+                                                refuse_hub_upload, refuse_left_padding, refuse_unsupported_arguments,
                                                 refuse_unsupported_launch, without_trainer_clipping)
 from dptext.integrations.trainer_losses import BatchMaker, LossFn, base_model, loss_and_probe_batch
 from dptext.integrations.trainer_release import ReleaseListing, trainer_flags, write_privacy_report
@@ -187,10 +187,7 @@ class DPTrainer(ReleaseListing, Trainer):
         return output
 
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any):
-        if getattr(self, "_training_rows", None) is None:  # the training rows' digests, once: a copy is told too
-            self._training_rows = row_digests(self.train_dataset) if self.train_dataset is not None else set()
-        refuse_evaluation_on_training_data(self.eval_dataset if eval_dataset is None else eval_dataset,
-                                           self.train_dataset, self._training_rows)
+        refuse_evaluation_of(self, eval_dataset)  # by content too: the training rows' digests are taken once
         return super().evaluate(eval_dataset, *args, **kwargs)
 
     def set_initial_training_values(self, args, dataloader):

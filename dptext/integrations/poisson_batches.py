@@ -70,13 +70,18 @@ class PoissonBatches:
         return LogicalBatch(chunks, len(indices))
 
 
+def model_columns(model: nn.Module, remove_unused_columns: bool) -> set[str] | None:
+    """The columns the Trainer feeds ``model`` (those its forward accepts, and the labels); None: every column."""
+    return set(inspect.signature(model.forward).parameters) | set(LABEL_COLUMNS) if remove_unused_columns else None
+
+
 def model_input_collator(collate: Callable[[list[Any]], dict[str, Any]], model: nn.Module,
                          remove_unused_columns: bool) -> Callable[[list[Any]], dict[str, Any]]:
     """The Trainer's collator, fed only the columns the model's forward accepts (and the labels) when
     ``remove_unused_columns`` is set, as the Trainer does for its own batches."""
-    if not remove_unused_columns:
+    accepted = model_columns(model, remove_unused_columns)
+    if accepted is None:
         return collate
-    accepted = set(inspect.signature(model.forward).parameters) | set(LABEL_COLUMNS)
 
     def collate_model_inputs(features: list[Any]) -> dict[str, Any]:
         if features and not isinstance(features[0], dict):

@@ -9,7 +9,6 @@ privacy, it is post-processing), so it is set to 0 with a warning.
 from __future__ import annotations
 
 import hashlib
-
 import logging
 import math
 from typing import Any
@@ -20,6 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from dptext.accounting.events import check_epsilon
 from dptext.accounting.pld import MIN_SIGMA
 from dptext.errors import UserError
+from dptext.integrations.poisson_batches import model_columns
+from dptext.integrations.trainer_losses import base_model
 
 logger = logging.getLogger(__name__)
 
@@ -117,35 +118,82 @@ def check_privacy_arguments(privacy: Any) -> None:
                         "thousands or beyond (no meaningful privacy); raise it (or use 0 only to test clipping).")
 
 
-def row_digest(row: Any) -> bytes:
-    """A digest of one dataset row's content (its model inputs as values, not as objects)."""
-    items = row.items() if isinstance(row, dict) else [("", row)]
-    parts = [(key, value.tolist() if torch.is_tensor(value) else value) for key, value in sorted(items, key=str)]
-    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+SCALARS = (int, float, bool, str, bytes, type(None))
 
 
-def row_digests(dataset: Any) -> set[bytes]:
-    """The digests of every row of a sized dataset (an empty set for one without a length)."""
-    return {row_digest(dataset[i]) for i in range(len(dataset))} if hasattr(dataset, "__len__") else set()
+def _plain(value: Any) -> Any:
+    """``value`` as plain Python at any depth (tensors, numpy arrays and scalars as lists and numbers): numpy and
+    torch abbreviate an array of over 1000 values in its repr, and a copy given as numpy must equal one as lists."""
+    if hasattr(value, "tolist") and not isinstance(value, SCALARS):
+        value = value.tolist()
+    if isinstance(value, dict):
+        return sorted(((str(key), _plain(item)) for key, item in value.items()), key=lambda pair: pair[0])
+    if isinstance(value, (list, tuple)) and not all(isinstance(item, SCALARS) for item in value):
+        return [_plain(item) for item in value]
+    return list(value) if isinstance(value, tuple) else value
 
 
-def refuse_evaluation_on_training_data(eval_dataset: Any, train_dataset: Any, training_rows=None) -> None:
+def row_digest(row: Any, columns: Any = None) -> bytes:
+    """A digest of one dataset row's content (as values, not as objects): of its ``columns`` (those the model is
+    fed) when it has any of them, else of the whole row."""
+    if isinstance(row, dict) and columns is not None:
+        row = {key: value for key, value in row.items() if key in columns} or row
+    return hashlib.blake2b(repr(_plain(row if isinstance(row, dict) else {"": row})).encode(),
+                           digest_size=16).digest()
+
+
+def dataset_rows(dataset: Any):
+    """An iterator over a sized, indexable dataset's rows (a ``datasets.Dataset`` read in batches as plain Python,
+    whatever its format), or None for one that is not (an iterable dataset: nothing to compare)."""
+    if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset) \
+            or not hasattr(dataset, "__getitem__"):
+        return None
+    if hasattr(dataset, "with_format") and hasattr(dataset, "iter") and hasattr(dataset, "column_names"):
+        return (dict(zip(batch, values)) for batch in dataset.with_format(None).iter(batch_size=1000)
+                for values in zip(*batch.values()))
+    return (dataset[i] for i in range(len(dataset)))
+
+
+def row_digests(dataset: Any, columns: Any = None) -> set[bytes]:
+    """The digests of every row of a sized dataset (an empty set for one without a length or an index)."""
+    rows = dataset_rows(dataset)
+    return set() if rows is None else {row_digest(row, columns) for row in rows}
+
+
+def refuse_evaluation_on_training_data(eval_dataset: Any, train_dataset: Any, training_rows=None,
+                                       columns: Any = None) -> None:
     """Metrics on the training records are exact statistics of private data, not post-processing of the DP model,
     and load_best_model_at_end, reduce_lr_on_plateau or early stopping would steer the weights by them (red team,
     session 29). The same dataset object, or one more than half of whose rows are training rows by content (a copy;
     a few rows that happen to be equal are records of another set): ``training_rows``, the training rows' digests
-    (``row_digests``, computed once by the caller)."""
+    (``row_digests`` of ``columns``, the columns the model is fed, computed once by the caller)."""
     datasets = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
     for data in datasets:
         if train_dataset is None or data is None:
             continue
-        copied = data is not train_dataset and training_rows and hasattr(data, "__len__") and len(data) and \
-            sum(row_digest(data[i]) in training_rows for i in range(len(data))) * 2 > len(data)
+        rows = dataset_rows(data) if data is not train_dataset and training_rows else None
+        copied = rows is not None and len(data) > 0 and \
+            sum(row_digest(row, columns) in training_rows for row in rows) * 2 > len(data)
         if data is train_dataset or copied:
             raise UserError(f"eval_dataset is the training data{' (a copy of its rows)' if copied else ''}: its "
                             "metrics are exact statistics of the private records that ε does not cover (and "
                             "anything steered by them, such as load_best_model_at_end, would not be covered "
                             "either); evaluate on held-out data.")
+
+
+def refuse_evaluation_of(trainer: Any, eval_dataset: Any) -> None:
+    """``DPTrainer.evaluate``'s check: the dataset it evaluates (a name is a key of ``trainer.eval_dataset``, as
+    for ``Trainer.evaluate``), against the training rows' digests over the columns the model is fed (the
+    Trainer drops the others, ``remove_unused_columns``), computed once and kept on the trainer."""
+    own = trainer.eval_dataset
+    chosen = own if eval_dataset is None else eval_dataset
+    if isinstance(chosen, str) and isinstance(own, dict):
+        chosen = own.get(chosen)
+    columns = model_columns(base_model(trainer.model), trainer.args.remove_unused_columns)
+    if getattr(trainer, "_training_rows", None) is None:
+        trainer._training_rows = row_digests(trainer.train_dataset, columns) \
+            if trainer.train_dataset is not None else set()
+    refuse_evaluation_on_training_data(chosen, trainer.train_dataset, trainer._training_rows, columns)
 
 
 def refuse_left_padding(batch: dict[str, Any]) -> None:
