@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,8 +47,6 @@ def long_rows(seed: int, count: int = 6) -> list[dict]:
     return [{"input_ids": np.concatenate([[1, 2, 3], generator.integers(3, 200, 2000), [0, 0, 0]]), "label": 0}
             for _ in range(count)]
 
-
-np = pytest.importorskip("numpy")
 
 
 def test_long_numpy_rows_of_another_set_are_not_taken_for_training_rows():
