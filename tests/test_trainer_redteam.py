@@ -186,6 +186,20 @@ def test_evaluate_given_a_copy_of_the_training_rows_is_refused(tmp_path):
     assert "eval_loss" in trainer.evaluate(held_out[:-1] + copied[:1])  # one equal row: another set's record
 
 
+def test_predict_on_the_training_rows_or_a_copy_is_refused(tmp_path):
+    """predict() returned the model's outputs (and, with labels, metrics) on any dataset: on the training rows or
+    a copy of them those are exact functions of the private records. Checked as evaluate() is."""
+    data, held_out = dataset(), dataset(seed=1)
+    trainer = DPTrainer(model=causal_model(), args=training_args(tmp_path), train_dataset=data,
+                        data_collator=collate,
+                        privacy=PrivacyArguments(max_grad_norm=C, expected_batch_size=8, noise_multiplier=1.0))
+    trainer.train()
+    for rows in (data, [dict(row) for row in data]):
+        with pytest.raises(UserError, match="eval_dataset is the training data"):
+            trainer.predict(rows)
+    assert trainer.predict(held_out).predictions is not None
+
+
 def test_a_right_padding_collator_still_trains(tmp_path):
     # the control of the left-padding refusal: the same rows padded on the right train as before
     data = dataset()

@@ -17,8 +17,7 @@ What changes inside the Trainer (docs/integrations.md has the whole story):
   inputs; ε (the engine's accountant at δ) is added to every log, and training stops before a step would take ε
   over ``target_epsilon``;
 * several processes (torchrun, accelerate launch): dptext's data-parallel step — each rank Poisson-samples its
-  shard, clipped sums are all-reduced, rank 0 adds the noise once; the model is not wrapped in DDP.
-What it refuses, each in one sentence: ``trainer_checks``.
+  shard, clipped sums are all-reduced, rank 0 adds the noise once, no DDP. Refusals: ``trainer_checks``.
 """
 
 from __future__ import annotations
@@ -189,6 +188,10 @@ class DPTrainer(ReleaseListing, Trainer):
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any):
         refuse_evaluation_of(self, eval_dataset)  # by content too: the training rows' digests are taken once
         return super().evaluate(eval_dataset, *args, **kwargs)
+
+    def predict(self, test_dataset: Any, *args: Any, **kwargs: Any):
+        refuse_evaluation_of(self, test_dataset)  # predictions (and metrics) on training rows are as exact
+        return super().predict(test_dataset, *args, **kwargs)
 
     def set_initial_training_values(self, args, dataloader):
         values = super().set_initial_training_values(args, dataloader)
