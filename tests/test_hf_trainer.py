@@ -365,7 +365,6 @@ def test_the_example_script_trains_privately_on_e2e(tmp_path):
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # past the interpreter's teardown, where gloo's threads can abort a finished rank (rank_entry.py)
+    from dptext.cli.app import run_as_rank
+
+    run_as_rank(lambda: worker(Path(sys.argv[1])))  # ends past the teardown, where gloo can abort a finished rank

@@ -100,30 +100,28 @@ class _PipeGuard:
 def main(argv: list[str] | None = None) -> None:
     """Run one command; exit 2 with one sentence for a user error, 1 for a bug, 130 when interrupted."""
     if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one rank of a torchrun process group
-        try:
-            _main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else _said(str(exc.code)))
-        except BaseException:  # --debug's traceback
-            traceback.print_exc()
-            code = 1
-        _leave_rank(code)
+        run_as_rank(lambda: _main(argv))
     _main(argv)
 
 
-def _said(message: str) -> int:
-    print(message, file=sys.stderr)
-    return 1
-
-
-def _leave_rank(code: int) -> None:
-    """End a rank's process at once, past the interpreter's teardown (everything it writes is closed by now).
+def run_as_rank(work) -> None:
+    """Run ``work()``, then end the process at once with its exit code (a ``SystemExit``'s, 1 after a traceback),
+    past the interpreter's teardown (everything it writes is closed by then; stdout and stderr are flushed).
 
     At teardown gloo's C++ threads can still release tensors tied to Python objects; a thread that asks for the
     GIL while the interpreter is finalising is ended with pthread_exit, which aborts the process ("terminate
     called without an active exception", SIGABRT): a finished run reported as a failed one, now and then
     (the mechanism of pytorch/pytorch pull request 179291)."""
+    try:
+        work()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # --debug's traceback
+        traceback.print_exc()
+        code = 1
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

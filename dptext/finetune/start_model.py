@@ -46,13 +46,19 @@ def _is_public(path: Path, source: Path, kind: str) -> bool:
     return False
 
 
+def _local_folder(model_name: str | Path) -> Path | None:
+    """``model_name`` as the loader finds it on disk (``~`` expanded), or None for a hub name or a missing folder."""
+    name = str(model_name)
+    path = Path(os.path.expanduser(name) if name.startswith("~") else name)
+    return path if name and path.is_dir() else None
+
+
 def dptext_output_of(model_name: str | Path) -> Path | None:
     """The dptext run, DPTrainer or synth folder a model folder lies in (a release.json, or an older run's
     resolved.yaml, in it or up to two folders above: ``RUN_DIR/model``, a checkpoint's export), or None for a hub
     name, any other folder, or a folder its output registers as public (a distill student's ``student_init/``)."""
-    name = str(model_name)
-    path = Path(os.path.expanduser(name) if name.startswith("~") else name)
-    if not name or not path.is_dir():
+    path = _local_folder(model_name)
+    if path is None:
         return None
     for folder in _candidates(path):
         if (folder / MANIFEST).is_file() or (folder / RESOLVED).is_file():
@@ -77,9 +83,8 @@ TRAINER_REPORT = "privacy.json"  # a DPTrainer's, in its output_dir and each che
 def origin_marker(model_name: str | Path) -> Path | None:
     """The ``dptext_origin.json`` a run wrote into its model folder, or the ``privacy.json`` a DPTrainer wrote into
     its output_dir and each checkpoint (``written_by``: dptext.DPTrainer), when ``model_name`` is such a folder."""
-    name = str(model_name)
-    folder = Path(os.path.expanduser(name) if name.startswith("~") else name)
-    if not name or not folder.is_dir():
+    folder = _local_folder(model_name)
+    if folder is None:
         return None
     if (folder / Path(ORIGIN).name).is_file():
         return folder / Path(ORIGIN).name
