@@ -1,7 +1,7 @@
 """Where the start-up probe's time goes on an FSDP2-sharded model: seconds and whole-model all-gathers per phase,
 against a DP step's, on 2 gloo processes.
 
-    python benchmarks/sharded_probe_cost.py [--model llama-medium] [--batch 2 --length 32] [--out FILE.json]
+    python benchmarks/sharded_probe_cost.py [--model llama-medium|tinyllama-L4] [--batch 2 --length 32] [--out FILE.json]
 
 The model is bench_fsdp.py's (a random Llama built in code, sharded per decoder layer and at the root); the engine
 is DP-Adam book-keeping with its default proof (``engine.verify()``, every rank together). FSDP2's all-gathers are
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import functools
 import json
 import os
@@ -100,15 +101,21 @@ def worker(model_name: str, batch: int, length: int, out: Path) -> None:
     ctx = current("cpu")
     baseline = rss_bytes()  # torch, transformers and the process group, before any model exists
     ctx.sharded = True
-    model = shard_model(build_model(model_name))
+    model = shard_model(tinyllama(model_name) if model_name.startswith("tinyllama-L") else build_model(model_name))
     whole = sum(param.numel() for param in model.parameters())
     engine = PrivacyEngine(model, torch.optim.Adam(model.parameters(), lr=1e-4), noise_multiplier=1.0,
                            max_grad_norm=1.0, expected_batch_size=batch * 2, dataset_size=10_000, distributed=ctx,
                            verify=False)
+    profile = cProfile.Profile() if os.environ.get("PROBE_PROFILE") and ctx.rank == 0 else None
     with PeakRss() as probe_rss:
         phase[0], start = "probe, other", time.perf_counter()
+        if profile is not None:
+            profile.enable()
         engine.verify()
         probe_seconds = time.perf_counter() - start
+    if profile is not None:  # PROBE_PROFILE=FILE: rank 0's probe under cProfile (read it with pstats)
+        profile.disable()
+        profile.dump_stats(os.environ["PROBE_PROFILE"])
     ids = torch.randint(0, 1000, (batch, length), generator=torch.Generator().manual_seed(ctx.rank))
     steps = []
     with PeakRss() as step_rss:
@@ -138,6 +145,13 @@ def worker(model_name: str, batch: int, length: int, out: Path) -> None:
                              if name not in ("DP step", "engine construction")}}
         out.write_text(json.dumps(result, indent=1) + "\n")
     release()
+
+
+def tinyllama(name: str):
+    """``tinyllama-L<n>``: max_model.py's TinyLlama-shaped random model with n layers (4: 246M parameters)."""
+    from max_model import build
+
+    return build(int(name.removeprefix("tinyllama-L")), tiny=False, device="cpu")
 
 
 def main() -> None:

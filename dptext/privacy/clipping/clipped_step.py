@@ -103,7 +103,9 @@ def reduce_bookkeeping(engine, uses: list, coef, units: UnitIndex | None, norms,
     only = engine.probe_compared if engine.recorder.probing else None  # the probe compares its representatives'
     chunks = optimizer.chunks if only is None else [  # sums only (proof.patterns): the others are neither formed
         compared for chunk in optimizer.chunks if (compared := [param for param in chunk if param in only])]
-    reduce_in_chunks(optimizer, chunks, sums_of, count)  # nor reduced (the same set on every rank)
+    view = getattr(engine, "probe_view", None) if only is not None else None  # the probe's vocabulary cut
+    reduce_in_chunks(optimizer, chunks, sums_of, count,  # nor reduced (the same set on every rank)
+                     view.cut_rows if view is not None else None)
 
 
 def join_reduction(engine) -> None:

@@ -72,11 +72,17 @@ def sum_error(view, got: Tensor | None, expected: Tensor, param: Tensor) -> floa
     """‖engine's clipped sum − reference's‖ (None: not of the same shape). Sharded: the engine's sum is this
     rank's rows of world_size × the reference's (every rank ran the batch), compared with the same rows, and the
     squared differences are summed over the ranks."""
-    if view is not None:
+    beyond = None  # the vocabulary cut (``proof.vocabulary``): the engine's rows beyond it, where the reference's
+    if view is not None:  # are zero
         expected = view.rows(expected, param)
         got = None if got is None else got / view.world_size
+        if param in view.cut_rows and got is not None and got.shape[1:] == expected.shape[1:] \
+                and len(expected) <= len(got):
+            got, beyond = got[:len(expected)], squared_norm(got[len(expected):])
     shape_differs = got is not None and got.shape != expected.shape
     distance_sq = squared_norm(expected) if got is None or shape_differs else squared_distance(got, expected)
+    if beyond is not None:
+        distance_sq = distance_sq + beyond
     if view is not None:
         distance_sq = view.total(torch.cat([distance_sq, distance_sq.new_ones(1) * shape_differs]))
         shape_differs = bool(distance_sq[1] > 0)

@@ -54,6 +54,7 @@ class ShardedView:
     rank: int
     world_size: int
     planned: dict[tuple[nn.Module, str], Tensor] = field(default_factory=dict)  # (layer, name) -> its shard
+    cut_rows: dict[Tensor, int] = field(default_factory=dict)  # shard -> rows its layers see (``proof.vocabulary``)
 
     def __post_init__(self) -> None:
         # id(unsharded parameter) -> its shard: what a module holds between a forward and its backward

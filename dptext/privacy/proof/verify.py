@@ -43,11 +43,11 @@ from dptext.privacy.proof.reference import ReferenceFailed
 from dptext.privacy.proof.patterns import representatives
 from dptext.privacy.proof.probe_model import drawn_zero_parameters, probe_precision
 from dptext.privacy.proof.cached_gathers import cached_gathers
-from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, check_same_batch, sharded_view, view_of
+from dptext.privacy.proof.sharded_probe import DISAGREE, HALF, agreed, check_same_batch, sharded_view
 from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_batches, synthetic_token_batch
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
-from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, token_vocabulary,
-                                             vocabulary_applied)
+from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, sharded_cut,
+                                             token_vocabulary, vocabulary_applied)
 from dptext.privacy.sharding.fsdp_controls import fsdp_modules
 from dptext.privacy.sharding.fsdp_precision import gathered_as_stored, half_policy, half_stored
 
@@ -159,7 +159,7 @@ def probe(engine: Any, make_batch=None, loss_fn=None, shapes=PROBE_SHAPES, dtype
     device = engine.params[0].device
     if training_dtype is None and torch.is_autocast_enabled(device.type):
         training_dtype = torch.get_autocast_dtype(device.type)
-    # FSDP2: every rank together, no cut (``proof.sharded_probe``), weights gathered as stored (``fsdp_precision``).
+    # FSDP2: every rank together (``proof.sharded_probe``), weights gathered as stored (``fsdp_precision``).
     # The comparisons run outside the caller's autocast: inside it an fp32 probe (models above FP64_PARAMETERS)
     # computed in bf16 and refused every layer (the first GPU run, 1.1B Llama at its first bf16 training forward);
     # training's own precision is what ``in_training_precision`` re-draws, under ``training_dtype``'s autocast.
@@ -199,8 +199,8 @@ def in_training_precision(engine: Any, report: ProbeReport, make_batch, loss_fn,
 def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) -> ProbeReport:
     model = engine.model
     whole_vocabulary = getattr(loss_fn, "needs_whole_vocabulary", False)  # compares logits with another model's
-    rows = plan_vocabulary_cut(model, token_vocabulary(model)) if cut_stacks and not whole_vocabulary \
-        and view_of(engine) is None else None  # FSDP2 gathers the whole rows: no vocabulary cut
+    rows = sharded_cut(plan_vocabulary_cut(model, token_vocabulary(model)), engine) \
+        if cut_stacks and not whole_vocabulary else None  # (FSDP2: the matrices its passes register are cut)
     make_batch = make_batch or synthetic_token_batch(model)
     loss_fn = loss_fn or output_functional_loss
     report = ProbeReport({m: LayerRow(engine.names[m], type(m).__name__, type(rule).__name__.removesuffix("Rule"))

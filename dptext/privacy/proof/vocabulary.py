@@ -16,6 +16,12 @@ first shape (B ≠ T) runs on the full vocabulary, as does the second shape's ho
 batch with an id at or beyond the cut (a task's fixed special token) runs that shape on the whole vocabulary, and
 a model whose forward or reference fails on the cut (a V-sized buffer such as BART's ``final_logits_bias``) is
 proven whole (``verify``), as a stack that cannot be cut is.
+
+Under FSDP2 (``sharded_cut``) the layers compute with the unsharded parameters FSDP2 registers at each pass
+(``proof.sharded_probe``), so those are cut, never the shards: FSDP2 still gathers whole rows into them, and the
+layers see their first rows. The engine's clipped sums of the cut matrices then have the cut's rows, reduced into
+the shards' layout with zeros beyond (``sharding.row_reduce``), and each rank compares its rows with the
+reference's, whose rows beyond the cut are zero (``probe_checks.sum_error``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,24 @@ class VocabularyCut:
     rows: int
     params: list[nn.Parameter] = field(default_factory=list)  # held as a view of their first ``rows`` rows
     sizes: list[tuple[Any, str]] = field(default_factory=list)  # (module or config, attribute holding the size)
+    shards: list[nn.Parameter] = field(default_factory=list)  # FSDP2: the shards of ``params`` (same order)
+    view: Any = None  # FSDP2: the probe's ``ShardedView``, told the cut while it is applied (``cut_rows``)
+
+
+def sharded_cut(cut: VocabularyCut | None, engine) -> VocabularyCut | None:
+    """``cut`` (planned on the shards, which FSDP2 registers between passes) on the unsharded parameters FSDP2
+    registers during a pass; None where the engine does not reduce the cut matrices' sums itself (ghost's, and
+    the hybrid's ghost-treated layers', are FSDP2's reduce-scatter of whole-shape gradients) or a shard has no
+    unsharded parameter known to the probe."""
+    view = getattr(engine, "probe_view", None)
+    if cut is None or view is None:
+        return cut
+    holders = [holder for holder, _ in cut.sizes if isinstance(holder, nn.Module)]
+    if engine.clipping_mode != "bookkeeping" or any(module in engine.ghost_modules for module in holders) \
+            or any(shard not in view.gathered for shard in cut.params):
+        return None
+    return VocabularyCut(cut.rows, [view.gathered[shard] for shard in cut.params], cut.sizes, list(cut.params),
+                         view)
 
 
 def _matrix_width(module: nn.Module, vocab: int) -> int | None:
@@ -125,8 +149,12 @@ def vocabulary_applied(cut: VocabularyCut | None):
             param.data = whole[:cut.rows]
         for holder, attribute in cut.sizes:
             setattr(holder, attribute, cut.rows)
+        if cut.view is not None:
+            cut.view.cut_rows = dict.fromkeys(cut.shards, cut.rows)
         yield
     finally:  # nothing here can fail, so the model never stays cut
+        if cut.view is not None:
+            cut.view.cut_rows = {}
         for (holder, attribute), size in zip(cut.sizes, sizes):
             setattr(holder, attribute, size)
         for param, whole in zip(cut.params, data):

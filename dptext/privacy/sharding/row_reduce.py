@@ -66,10 +66,11 @@ def local_rows(param: Tensor, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def reduce_rows(params: list[nn.Parameter], totals: dict[nn.Parameter, Tensor], rank: int,
-                world_size: int) -> dict[nn.Parameter, Tensor]:
+                world_size: int, cut_rows: dict[Tensor, int] | None = None) -> dict[nn.Parameter, Tensor]:
     """This rank's rows of Σ_ranks ``totals[p]`` for each p in ``params`` (FSDP2 shards; a missing total counts as
     zeros), in fp32, by one ``reduce_scatter`` over a send buffer holding rank r's rows of every parameter side by
-    side. The totals are consumed (popped) as they are copied in."""
+    side. The totals are consumed (popped) as they are copied in. ``cut_rows``: the probe's vocabulary cut
+    (``proof.vocabulary``), where a parameter's total may have only its first rows (the rest count as zeros)."""
     layout, width = [], 0
     for param in params:
         rows = param.shape[0] if param.ndim else 1
@@ -83,9 +84,11 @@ def reduce_rows(params: list[nn.Parameter], totals: dict[nn.Parameter, Tensor], 
         total = totals.pop(param, None)
         if total is not None:  # rows beyond the parameter's end stay zero (FSDP2 pads the last shard)
             slots = send[:, offset:offset + per_rank * row_size].unflatten(1, (per_rank, row_size))
-            total = total.reshape(rows, row_size)
+            held = (cut_rows or {}).get(param, rows)
+            total = total.reshape(held if total.numel() == held * row_size else rows, row_size)
             for other in range(world_size):
                 first, count = local_rows(param, other, world_size)
+                count = max(0, min(count, len(total) - first))  # (a cut total: its rows only)
                 slots[other, :count].copy_(total[first:first + count])
         del total
         offset += per_rank * row_size
@@ -102,11 +105,12 @@ def reduce_rows(params: list[nn.Parameter], totals: dict[nn.Parameter, Tensor], 
 
 
 def reduce_in_chunks(optimizer, chunks: list[list[nn.Parameter]],
-                     sums_of: Callable[[list[nn.Parameter]], dict[nn.Parameter, Tensor]] | None, units: int) -> None:
+                     sums_of: Callable[[list[nn.Parameter]], dict[nn.Parameter, Tensor]] | None, units: int,
+                     cut_rows: dict[Tensor, int] | None = None) -> None:
     """One micro-batch: for each chunk, its clipped sums (``sums_of(chunk)``; None: this rank adds nothing) reduced
     over the ranks and added to this rank's rows (``optimizer.add_reduced``), one chunk alive at a time."""
     for chunk in chunks:
         totals = sums_of(chunk) if sums_of is not None else {}
-        optimizer.add_reduced(reduce_rows(chunk, totals, optimizer.rank, optimizer.world_size), 0)
+        optimizer.add_reduced(reduce_rows(chunk, totals, optimizer.rank, optimizer.world_size, cut_rows), 0)
         del totals
     optimizer.add_reduced({}, units)
