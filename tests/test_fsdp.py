@@ -247,9 +247,9 @@ def held_rows(ctx, mine):
     real_size, real_reduce = row_reduce.CHUNK_COORDINATES, row_reduce.reduce_rows
     sent = []
 
-    def counting(params, totals, rank, world_size):
+    def counting(params, totals, rank, world_size, *cut):
         sent.append([id(param) for param in params])
-        return real_reduce(params, totals, rank, world_size)
+        return real_reduce(params, totals, rank, world_size, *cut)
 
     row_reduce.CHUNK_COORDINATES, row_reduce.reduce_rows = 1, counting
     out = {}

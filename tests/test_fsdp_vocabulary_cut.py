@@ -6,8 +6,9 @@ the layers see cut to their first rows (32 here: the tests keep twice the width)
 the shards' layout with zeros beyond (each rank compares its rows: rank 1 holds none of the cut); the verdicts equal
 the one-process probe's; the shards and FSDP2's registered matrices are whole after it, and the DP step after the
 probe moves the weights as one process does. Ghost clipping keeps the whole vocabulary (FSDP2 reduces its sums).
-Unit checks: a cut total's rows reach the reduce-scatter's send buffer with zeros beyond; ``sum_error`` counts the
-engine's rows beyond the cut against the reference's zeros.
+Unit checks: a cut total's rows reach the reduce-scatter's send buffer with zeros beyond; the reference's sums reach
+each rank as its rows (``row_reduce.reduce_to_own_rows``); ``sum_error`` counts the engine's rows beyond the cut
+against the reference's zeros.
 """
 
 from __future__ import annotations
@@ -143,6 +144,28 @@ def test_a_cut_total_fills_its_rows_of_the_send_buffer_and_zeros_beyond(monkeypa
         row_reduce.reduce_rows([param], {param: total}, 0, 2)
 
 
+@pytest.mark.parametrize("rows", [10, 7, 3])
+def test_the_reference_sum_reaches_each_rank_as_its_rows(monkeypatch, rows):
+    from dptext.privacy.sharding import row_reduce
+
+    param = torch.zeros(10, 3)  # two ranks, five rows each; the sum has all ten rows, or the cut's first ones
+    total = torch.arange(1.0, 3.0 * rows + 1).view(rows, 3)
+    sent = {}
+
+    def scatter(mine, send, op):
+        sent["send"] = send.clone()
+        mine.copy_(send.view(2, -1)[1])  # (one rank: the others' rows count as zeros)
+
+    monkeypatch.setattr(row_reduce.dist, "reduce_scatter_single", scatter, raising=False)
+    mine = row_reduce.reduce_to_own_rows(total, param, 1, 2)
+    assert torch.equal(mine, total[5:])  # rank 1's rows, as many as the sum has
+    if rows == 10:  # whole rows dealt out evenly: the sum itself is sent, not a copy
+        assert torch.equal(sent["send"], total.view(-1))
+    else:
+        send = sent["send"].view(2, -1)
+        assert torch.equal(send[0, :3 * min(rows, 5)], total[:5].reshape(-1)) and not send[0, 3 * min(rows, 5):].any()
+
+
 def test_sum_error_counts_the_engines_rows_beyond_the_cut():
     from dptext.privacy.proof.probe_checks import sum_error
     from dptext.privacy.proof.sharded_probe import ShardedView
@@ -151,9 +174,9 @@ def test_sum_error_counts_the_engines_rows_beyond_the_cut():
     view = ShardedView({}, rank=1, world_size=2)
     view.cut_rows = {param: 7}
     view.total = lambda value: value  # (one rank's share is the whole here)
-    expected = torch.randn(7, 3, dtype=torch.float64)
+    expected = torch.randn(7, 3, dtype=torch.float64)[5:]  # (rank 1's rows of the reference: two of the cut's)
     got = torch.zeros(5, 3, dtype=torch.float64)
-    got[:2] = expected[5:] * 2  # the engine's rows are world_size x the sum
+    got[:2] = expected * 2  # the engine's rows are world_size x the sum
     assert sum_error(view, got, expected, param) == pytest.approx(0.0, abs=1e-12)
     got[4, 1] = 2.0  # a row beyond the cut: the reference's is zero
     assert sum_error(view, got, expected, param) == pytest.approx(1.0)

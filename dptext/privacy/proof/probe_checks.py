@@ -53,9 +53,10 @@ def compare(engine, report, reference: Reference, norms_sq, sums) -> None:
             norm_failures.append((param, "its per-example gradient norms" + DIFFER))
     sum_failures = []
     view = view_of(engine)  # sharded: every rank takes every sum's collective, whatever its norms said
-    for param, expected_sum in zip(params if not norm_failures or view is not None else [], reference.sums):
-        error = sum_error(view, sums.get(param), expected_sum, param)
-        if error is None or error > RTOL * float(squared_norm(expected_sum)) ** 0.5 + 1e-6 * engine.max_grad_norm:
+    for k, param in enumerate(params if not norm_failures or view is not None else []):
+        expected_rows, expected_norm = reference.expected(k, view)
+        error = sum_error(view, sums.get(param), expected_rows, param)
+        if error is None or error > RTOL * expected_norm + 1e-6 * engine.max_grad_norm:
             sum_failures.append((param, "its clipped sums" + DIFFER))
     sum_failures = sum_failures if not norm_failures else []
     for param, what in norm_failures + sum_failures:
@@ -70,11 +71,10 @@ def compare(engine, report, reference: Reference, norms_sq, sums) -> None:
 
 def sum_error(view, got: Tensor | None, expected: Tensor, param: Tensor) -> float | None:
     """‖engine's clipped sum − reference's‖ (None: not of the same shape). Sharded: the engine's sum is this
-    rank's rows of world_size × the reference's (every rank ran the batch), compared with the same rows, and the
-    squared differences are summed over the ranks."""
+    rank's rows of world_size × the reference's (every rank ran the batch), compared with the same rows of the
+    reference (``expected``: ``Reference.expected``), and the squared differences are summed over the ranks."""
     beyond = None  # the vocabulary cut (``proof.vocabulary``): the engine's rows beyond it, where the reference's
     if view is not None:  # are zero
-        expected = view.rows(expected, param)
         got = None if got is None else got / view.world_size
         if param in view.cut_rows and got is not None and got.shape[1:] == expected.shape[1:] \
                 and len(expected) <= len(got):

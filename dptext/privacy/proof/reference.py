@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from dptext.privacy.clipping import sums as clipping
 from dptext.privacy.proof.sharded_probe import dealt, raise_on_every_rank, view_of
+from dptext.privacy.sharding.row_reduce import reduce_to_own_rows
 
 
 @contextmanager
@@ -101,25 +102,40 @@ class Reference:
                       for p, t in list(zip(params, targets))[len(self.sums):]]
         self.norms_sq = {p: torch.cat([each[p] for each in squares]) if squares else None for p in params}
         self._shards = shards
+        self.sum_norms: list[float] | None = None  # sharded, summed over the ranks: each sum's whole norm
         if not bool(torch.isfinite(self.loss).all()):
             raise ReferenceFailed("non-finite losses or gradients")
 
 
-    def add_over_ranks(self) -> None:
+    def add_over_ranks(self, engine) -> None:
         """Sharded, the ranks having shared the examples (``reference_gradients``): the norms and clipped sums
-        summed over the ranks (each example was counted on one rank, the others count 0 there), and the shards any
-        rank's backward reached."""
+        summed over the ranks (each example was counted on one rank, the others count 0 there) — of each sum,
+        this rank's rows, and its whole norm — and the shards any rank's backward reached."""
         with_norms = [p for p in self.params if self.norms_sq[p] is not None]
         if with_norms:
             norms = torch.stack([self.norms_sq[p] for p in with_norms])
             dist.all_reduce(norms)
             self.norms_sq.update({p: norms[k] for k, p in enumerate(with_norms)})
-        for total in self.sums:
-            dist.all_reduce(total)
+        view = view_of(engine)  # each rank compares its own rows of each sum (``probe_checks.sum_error``): it
+        self.sums = [reduce_to_own_rows(total, param, view.rank, view.world_size)  # receives only those
+                     for total, param in zip(self.sums, self.params)]
+        squares = torch.cat([squared_norm(total) for total in self.sums]) if self.sums else None
+        if squares is not None:
+            dist.all_reduce(squares)
+        self.sum_norms = [float(square) ** 0.5 for square in squares] if squares is not None else []
         reached = [k for k, shard in enumerate(self._shards) if shard in self.shard_reads]
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, reached)
         self.shard_reads = {self._shards[k] for each in everyone for k in each}
+
+
+    def expected(self, k: int, view) -> tuple[Tensor, float]:
+        """The k-th compared parameter's reference sum as this rank compares it (under sharding its rows) and the
+        whole sum's norm."""
+        if self.sum_norms is not None:  # summed over the ranks: this rank's rows already
+            return self.sums[k], self.sum_norms[k]
+        whole = self.sums[k]
+        return (view.rows(whole, self.params[k]) if view is not None else whole), float(squared_norm(whole)) ** 0.5
 
 
 def reference_dtype(param: Tensor) -> torch.dtype:
@@ -188,7 +204,7 @@ def reference_gradients(engine, batch, loss_fn, device, params, other_norms_sq=N
     except Exception as error:  # noqa: BLE001 - any failure of this rank's share (not only ReferenceFailed: a
         failed = error          # ValueError of the model) is raised on every rank alike, after the others' passes
     raise_on_every_rank(engine.distributed, failed, engine.params[0].device)
-    reference.add_over_ranks()
+    reference.add_over_ranks(engine)
     return reference
 
 

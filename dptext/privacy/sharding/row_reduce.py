@@ -104,6 +104,31 @@ def reduce_rows(params: list[nn.Parameter], totals: dict[nn.Parameter, Tensor], 
     return out
 
 
+def reduce_to_own_rows(total: Tensor, param: Tensor, rank: int, world_size: int) -> Tensor:
+    """This rank's rows (``param``'s FSDP2 Shard(0) layout) of Σ_ranks ``total``, a tensor of ``param``'s whole
+    shape or of its first rows only (the probe's vocabulary cut: the others count as zeros), in ``total``'s dtype,
+    by one reduce-scatter: each rank receives only its rows, where an all-reduce sent every rank the whole sum."""
+    if total.ndim == 0 or param.ndim == 0:
+        total = total.clone()
+        dist.all_reduce(total)
+        return total
+    flat = total.reshape(len(total), -1)
+    spans = [local_rows(param, other, world_size) for other in range(world_size)]
+    counts = [max(0, min(count, len(flat) - first)) for first, count in spans]
+    width = max(counts) * flat.shape[1]
+    if len(set(counts)) == 1 and sum(counts) == len(flat):  # whole rows dealt out evenly: the sum is its own buffer
+        send = flat.contiguous().view(-1)
+    else:
+        send = flat.new_zeros(world_size, width)
+        for other, ((first, _), count) in enumerate(zip(spans, counts)):
+            send[other, :count * flat.shape[1]] = flat[first:first + count].reshape(-1)
+        send = send.view(-1)
+    mine = flat.new_empty(width)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    scatter(mine, send, op=dist.ReduceOp.SUM)
+    return mine[:counts[rank] * flat.shape[1]].view(counts[rank], *total.shape[1:])
+
+
 def reduce_in_chunks(optimizer, chunks: list[list[nn.Parameter]],
                      sums_of: Callable[[list[nn.Parameter]], dict[nn.Parameter, Tensor]] | None, units: int,
                      cut_rows: dict[Tensor, int] | None = None) -> None:
