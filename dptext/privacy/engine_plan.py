@@ -15,14 +15,19 @@ from dptext.privacy.clipping.owned_params import (carry_trainable_by_name, give_
 from dptext.privacy.clipping.plan import (_check_optimizer, _module_names, find_tracked_modules, global_hook_keys,
                                           unproven_rules)
 from dptext.privacy.proof.outside_reads import OutsideReads
-from dptext.privacy.sharding.fsdp_controls import whole_weights
+from dptext.privacy.sharding.fsdp_controls import UnitAtATime
 
 
 def install_plan(engine, prove_first_hook: Callable) -> None:
     """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
     engine.names = _module_names(engine.model)
-    with whole_weights(engine.model):  # FSDP2: layers are matched to their rules on the gathered weights
-        engine.tracked = find_tracked_modules(engine.model, engine.clipping_mode, engine._learned_layouts)
+    units = UnitAtATime(engine.model)  # FSDP2: a layer's unit gathered where its rule must run it, one at a time
+    try:
+        engine.tracked = find_tracked_modules(engine.model, engine.clipping_mode, engine._learned_layouts,
+                                              units.gathered)
+        units.prime()
+    finally:
+        units.release()
     engine.params = list(dict.fromkeys(module.get_parameter(name) for module, (_, names) in engine.tracked.items()
                                        for name in names))
     if not engine.params:

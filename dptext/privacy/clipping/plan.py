@@ -22,9 +22,10 @@ def _module_names(model: nn.Module) -> dict[nn.Module, str]:
     return {module: name or type(model).__name__ for name, module in model.named_modules()}
 
 
-def find_tracked_modules(model: nn.Module, clipping_mode: str, learned: dict[nn.Module, FunctionalRule] | None = None
-                         ) -> dict[nn.Module, tuple[Any, tuple[str, ...]]]:
+def find_tracked_modules(model: nn.Module, clipping_mode: str, learned: dict[nn.Module, FunctionalRule] | None = None,
+                         gathered=None) -> dict[nn.Module, tuple[Any, tuple[str, ...]]]:
     """Every module owning trainable parameters, with its rule; refuses the model before step 0 otherwise.
+    ``gathered``: FSDP2, a layer's weights gathered where a rule runs it (``find_rule``).
 
     A ``FunctionalRule`` learns which inputs carry the batch, so it must not be shared: the registry holds one
     instance per layer class, and what one engine's probe learned would decide another model's calls. Each layer
@@ -40,7 +41,7 @@ def find_tracked_modules(model: nn.Module, clipping_mode: str, learned: dict[nn.
             continue
         for name in own:
             owners.setdefault(getattr(module, name), []).append(module)
-        rule = child_rules.get(module) or find_rule(module)
+        rule = child_rules.get(module) or find_rule(module, gathered)
         if isinstance(rule, FunctionalRule):
             rule = learned.setdefault(module, FunctionalRule())
         reason = getattr(rule, "unsupported", lambda m: None)(module) if rule else None

@@ -35,6 +35,7 @@ confirmed numerically by the rule's ``verify(module)`` before it is trusted.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable
 
 from torch import nn
@@ -117,8 +118,9 @@ def qualified_name(module_class: type) -> str:
     return f"{module_class.__module__}.{module_class.__qualname__}"
 
 
-def find_rule(module: nn.Module):
-    """The rule for ``module``, or None when no rule describes it."""
+def find_rule(module: nn.Module, gathered: Callable | None = None):
+    """The rule for ``module``, or None when no rule describes it. ``gathered(module)``: a context in which the
+    module holds its whole weights (FSDP2: its unit gathered), for a structural match confirmed by running it."""
     module_class = type(module)
     if module_class in RULES:
         return RULES[module_class]
@@ -128,8 +130,10 @@ def find_rule(module: nn.Module):
         if parent in RULES and module_class.forward is parent.forward:
             return RULES[parent]
     for rule in STRUCTURAL_RULES:
-        if rule.matches(module) and rule.verify(module):
-            return rule
+        if rule.matches(module):
+            with gathered(module) if gathered is not None else nullcontext():
+                if rule.verify(module):
+                    return rule
     return None
 
 

@@ -205,15 +205,43 @@ def local_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, Tensor]:
     return rows
 
 
-@contextmanager
-def whole_weights(model: nn.Module):
-    """Every FSDP2 module of ``model`` holding its gathered weights (all ranks enter it together): a rule that
-    checks a layer numerically (RMSNorm's structural match) runs the layer, which a sharded weight cannot."""
-    sharded = fsdp_modules(model)
-    for module in sharded:
-        module.unshard()
-    try:
+class UnitAtATime:
+    """FSDP2, while the engine plans: a layer's own unit gathered where a rule must run it (a structural match such
+    as RMSNorm's is confirmed numerically, which a sharded weight cannot do), at most one unit at a time — the plan
+    never holds the whole model on a rank, which a model loaded on the meta device never held either — and then
+    every unit gathered once in turn (``prime``): FSDP2 makes a unit's unsharded parameters at its first all-gather,
+    and the probe learns them from FSDP2's records without another (``proof.sharded_probe.kept_unsharded``). Every
+    rank makes the same calls in the same order (the plan visits the same model's layers in order), as each gather
+    is a collective. Without FSDP2 units nothing is gathered."""
+
+    def __init__(self, model: nn.Module):
+        self.units = fsdp_modules(model)
+        self.unit_of = {module: unit for unit in self.units for module in unit.modules()}  # inner units last: theirs
+        self.current = None
+        self.done: list[nn.Module] = []
+
+    @contextmanager
+    def gathered(self, module: nn.Module):
+        """``module``'s innermost unit gathered inside (kept until another unit is needed, or ``release``)."""
+        unit = self.unit_of.get(module)
+        if unit is not None and unit is not self.current:
+            self.release()
+            unit.unshard()
+            self.current = unit
+            self.done.append(unit)
         yield
-    finally:
-        for module in sharded:
-            module.reshard()
+
+    def prime(self) -> None:
+        """Every unit not gathered yet, once, one at a time."""
+        for unit in self.units:
+            if not any(unit is done for done in self.done):
+                self.release()
+                unit.unshard()
+                self.current = unit
+                self.done.append(unit)
+        self.release()
+
+    def release(self) -> None:
+        if self.current is not None:
+            self.current.reshard()
+            self.current = None
