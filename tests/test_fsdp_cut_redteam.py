@@ -8,7 +8,9 @@ the shards hold what they held, FSDP2's registered unsharded parameters, the mod
 and the DP step after it gives bit for bit the weights the step after the uncut probe gives (and, within rounding,
 the one-process step's). Cases: an untied head with a (zero, re-drawn) bias; an embedding with a padding row; a
 vocabulary not divisible by the ranks; a V-sized buffer the forward adds to the logits (fails on the cut: the whole
-vocabulary is proven); a refusal raised inside the cut shape; FSDP2's bf16 policy; two wrong rules seen at B = T
+vocabulary is proven); a backward that fails on the cut mid-way through FSDP2's (the whole vocabulary proven
+after it: FSDP2's state must be reset, ``fsdp_controls.reset_after_failure``, or every layer was refused); a refusal
+raised inside the cut shape; FSDP2's bf16 policy; two wrong rules seen at B = T
 only, one of them writing junk into the last row of a sum sized by the module's weight (under FSDP2 the shard's V
 rows at sum time: rank 1's rows beyond the cut, which ``sum_error`` must count); 3 ranks with a 70-token vocabulary
 (rank 1's rows straddle the cut).
@@ -29,8 +31,8 @@ from two_ranks import CASES_VARIABLE, run_two_ranks
 
 TIMEOUT = 400
 VOCAB, WIDTH, ROWS = 4096, 16, 32  # ROWS: the cut (KEPT_ROWS is 16 in the tests: twice the width is kept)
-TWO_RANK_CASES = ("bias_head", "padding", "odd_vocab", "logits_buffer", "refused_in_cut", "bf16", "bt_bug",
-                  "beyond_bug")
+TWO_RANK_CASES = ("bias_head", "padding", "odd_vocab", "logits_buffer", "backward_fails", "refused_in_cut", "bf16",
+                  "bt_bug", "beyond_bug")
 THREE_RANK_CASES = ("straddle",)
 
 
@@ -44,6 +46,8 @@ def build(case: str):
                          pad_token_id=0 if case == "padding" else None)
     cls = _biased_class() if case == "logits_buffer" else LlamaForCausalLM
     model = cls(config)
+    if case == "backward_fails":  # between the blocks, a backward that fails on the cut (mid-way through FSDP2's)
+        model.model.layers[0].register_forward_hook(lambda module, args, out: FailsOnTheCut.apply(out, config))
     if case == "bias_head":
         model.lm_head = nn.Linear(WIDTH, vocab, bias=True)
         nn.init.zeros_(model.lm_head.bias)  # all zero: the probe re-draws it into the shards
@@ -65,6 +69,21 @@ def _biased_class():
             return out
 
     return Biased
+
+
+class FailsOnTheCut(torch.autograd.Function):
+    """The identity, whose backward fails while the config says the vocabulary is cut."""
+
+    @staticmethod
+    def forward(ctx, hidden, config):
+        ctx.cut = config.vocab_size < VOCAB
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.cut:
+            raise RuntimeError("this backward does not run on the cut vocabulary")
+        return grad, None
 
 
 @contextmanager
@@ -201,8 +220,10 @@ def three_ranks(tmp_path_factory):
     return run_two_ranks(__file__, tmp_path_factory.mktemp("ranks3"), TIMEOUT, ranks=3)
 
 
-CUT = {"bias_head": True, "padding": True, "odd_vocab": True, "logits_buffer": False, "refused_in_cut": True,
+CUT = {"bias_head": True, "padding": True, "odd_vocab": True, "logits_buffer": False, "backward_fails": True,
+       "refused_in_cut": True,
        "bf16": True, "bt_bug": True, "beyond_bug": True, "straddle": True}
+FALLS_BACK = ("logits_buffer", "backward_fails")  # the forward (or backward) fails on the cut: proven whole
 VERDICT = {"refused_in_cut": "refused", "bt_bug": "refused", "beyond_bug": "refused"}
 
 
@@ -222,8 +243,8 @@ def check_case(case: str, ranks: list) -> None:
             assert whole["verdict"] == cut["verdict"], case
         if cut["verdict"] == "ok":
             assert cut["table"] == whole["table"] == one_process["table"], case
-            assert cut["notes"] == whole["notes"] == one_process["notes"] if case != "logits_buffer" else \
-                any("whole stack and vocabulary" in note for note in cut["notes"])
+            assert cut["notes"] == whole["notes"] == one_process["notes"] if case not in FALLS_BACK else \
+                cut["notes"] == one_process["notes"] and any("whole stack and vocabulary" in n for n in cut["notes"])
         elif case != "refused_in_cut":  # a wrong rule: the probe refuses its layers (one process: the per-step
             assert cut["table"] == whole["table"], case  # invariant, which the sharded probe checks at the step)
             assert cut["table"]["model.embed_tokens"] == cut["table"]["lm_head"] == "refused", case

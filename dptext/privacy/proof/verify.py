@@ -48,7 +48,7 @@ from dptext.privacy.proof.synthetic import output_functional_loss, synthetic_bat
 from dptext.privacy.proof.stack import applied, check_whole_forward, plan_cut
 from dptext.privacy.proof.vocabulary import (ids_below, kept_gradients, plan_vocabulary_cut, sharded_cut,
                                              token_vocabulary, vocabulary_applied)
-from dptext.privacy.sharding.fsdp_controls import fsdp_modules
+from dptext.privacy.sharding.fsdp_controls import fsdp_modules, reset_after_failure
 from dptext.privacy.sharding.fsdp_precision import gathered_as_stored, half_policy, half_stored
 
 REFERENCE_FAILED = ("The start-up probe's reference, plain per-example autograd without the engine, fails on this "
@@ -243,6 +243,7 @@ def _probe(engine: Any, make_batch, loss_fn, shapes, dtype, cut_stacks: bool) ->
                 raise
             except Exception as error:  # noqa: BLE001 - this forward (or its reference) does not run on the cut
                 # stack or vocabulary: prove the later shapes whole (a reference that fails again is the finding),
+                reset_after_failure(model)  # FSDP2: a pass cut short by the failure leaves its state mid-pass
                 restore_findings(report, first_shape)  # keeping what the first shape found
                 engine.zero_grad()
                 report.notes.append(f"proved the whole stack and vocabulary: the model's forward fails on the cut "

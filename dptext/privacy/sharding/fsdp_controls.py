@@ -58,6 +58,16 @@ def check_unshard_in_backward(model: nn.Module) -> None:
                             "(set_unshard_in_backward(True)).")
 
 
+def reset_after_failure(model: nn.Module) -> None:
+    """FSDP2's per-pass state put back after an exception ended a forward or backward mid-way (the probe falling
+    back from its cut stack or vocabulary): a backward cut short leaves FSDP2 inside it, whose hooks then skip the
+    next passes' pre-backward work (the whole model proven next refused every layer: "no gradient recorded").
+    Local, no collective (``FSDPModule.reset_iter_state``, on the root); nothing where no unit has run."""
+    for unit in fsdp_modules(model):
+        if unit._get_fsdp_state()._is_root:
+            unit.reset_iter_state()
+
+
 def check_ghost_supported() -> None:
     """Ghost clipping under FSDP2 needs FSDP2's reduce-scatter set to a plain sum (``sum_in_backward``)."""
     from torch.distributed.fsdp import FSDPModule
