@@ -10,7 +10,8 @@ the one-process step's). Cases: an untied head with a (zero, re-drawn) bias; an 
 vocabulary not divisible by the ranks; a V-sized buffer the forward adds to the logits (fails on the cut: the whole
 vocabulary is proven); a backward that fails on the cut mid-way through FSDP2's (the whole vocabulary proven
 after it: FSDP2's state must be reset, ``fsdp_controls.reset_after_failure``, or every layer was refused); a refusal
-raised inside the cut shape; FSDP2's bf16 policy; two wrong rules seen at B = T
+raised inside the cut shape's loss, and one raised inside its backward (FSDP2 must be idle after it, or the
+model's next engine and training start inside that backward); FSDP2's bf16 policy; two wrong rules seen at B = T
 only, one of them writing junk into the last row of a sum sized by the module's weight (under FSDP2 the shard's V
 rows at sum time: rank 1's rows beyond the cut, which ``sum_error`` must count); 3 ranks with a 70-token vocabulary
 (rank 1's rows straddle the cut).
@@ -31,8 +32,8 @@ from two_ranks import CASES_VARIABLE, run_two_ranks
 
 TIMEOUT = 400
 VOCAB, WIDTH, ROWS = 4096, 16, 32  # ROWS: the cut (KEPT_ROWS is 16 in the tests: twice the width is kept)
-TWO_RANK_CASES = ("bias_head", "padding", "odd_vocab", "logits_buffer", "backward_fails", "refused_in_cut", "bf16",
-                  "bt_bug", "beyond_bug")
+TWO_RANK_CASES = ("bias_head", "padding", "odd_vocab", "logits_buffer", "backward_fails", "refused_in_cut",
+                  "refused_in_backward", "bf16", "bt_bug", "beyond_bug")
 THREE_RANK_CASES = ("straddle",)
 
 
@@ -46,8 +47,9 @@ def build(case: str):
                          pad_token_id=0 if case == "padding" else None)
     cls = _biased_class() if case == "logits_buffer" else LlamaForCausalLM
     model = cls(config)
-    if case == "backward_fails":  # between the blocks, a backward that fails on the cut (mid-way through FSDP2's)
-        model.model.layers[0].register_forward_hook(lambda module, args, out: FailsOnTheCut.apply(out, config))
+    if case in ("backward_fails", "refused_in_backward"):  # between the blocks, a backward that fails on the cut
+        model.model.layers[0].register_forward_hook(  # (mid-way through FSDP2's)
+            lambda module, args, out: FailsOnTheCut.apply(out, config, case == "refused_in_backward"))
     if case == "bias_head":
         model.lm_head = nn.Linear(WIDTH, vocab, bias=True)
         nn.init.zeros_(model.lm_head.bias)  # all zero: the probe re-draws it into the shards
@@ -75,15 +77,17 @@ class FailsOnTheCut(torch.autograd.Function):
     """The identity, whose backward fails while the config says the vocabulary is cut."""
 
     @staticmethod
-    def forward(ctx, hidden, config):
-        ctx.cut = config.vocab_size < VOCAB
+    def forward(ctx, hidden, config, refusal):
+        ctx.cut, ctx.refusal = config.vocab_size < VOCAB, refusal
         return hidden.view_as(hidden)
 
     @staticmethod
     def backward(ctx, grad):
+        from dptext.errors import UserError
+
         if ctx.cut:
-            raise RuntimeError("this backward does not run on the cut vocabulary")
-        return grad, None
+            raise (UserError if ctx.refusal else RuntimeError)("this backward does not run on the cut vocabulary")
+        return grad, None, None
 
 
 @contextmanager
@@ -125,13 +129,17 @@ def fsdp_state(model) -> dict:
     from dptext.privacy.proof.sharded_probe import unit_groups
     from dptext.privacy.sharding.fsdp_controls import fsdp_modules
 
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    idle = all(unit._get_fsdp_state()._training_state == TrainingState.IDLE and all(
+        group._training_state == TrainingState.IDLE for group in unit_groups(unit)) for unit in fsdp_modules(model))
     gathered = [(tuple(p._unsharded_param.shape), tuple(p._orig_size)) for unit in fsdp_modules(model)
                 for group in unit_groups(unit) for p in group.fsdp_params if hasattr(p, "_unsharded_param")]
     sizes = [getattr(m, "num_embeddings", None) or getattr(m, "out_features", None)
              for m in (model.get_input_embeddings(), model.get_output_embeddings())]
     local = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
              for name, p in model.named_parameters()}
-    return {"gathered": gathered, "sizes": sizes + [model.config.vocab_size], "local": local}
+    return {"idle": idle, "gathered": gathered, "sizes": sizes + [model.config.vocab_size], "local": local}
 
 
 def run(case: str, ctx=None, cut: bool = True) -> dict:
@@ -181,7 +189,7 @@ def run(case: str, ctx=None, cut: bool = True) -> dict:
               "notes": list(reports[0].notes) if reports else [], "probe_view": hasattr(engine, "probe_view")}
     if ctx is not None:
         after = fsdp_state(model)
-        result["gathered"] = after["gathered"]
+        result["gathered"], result["idle"] = after["gathered"], after["idle"]
         result["sizes"] = after["sizes"]
         result["shards_kept"] = all(torch.equal(after["local"][name], local) for name, local in before["local"].items())
     ids = torch.randint(0, vocab, (6, 6), generator=torch.Generator().manual_seed(3))  # (6 examples: 2 or 3 ranks)
@@ -221,10 +229,11 @@ def three_ranks(tmp_path_factory):
 
 
 CUT = {"bias_head": True, "padding": True, "odd_vocab": True, "logits_buffer": False, "backward_fails": True,
-       "refused_in_cut": True,
+       "refused_in_cut": True, "refused_in_backward": True,
        "bf16": True, "bt_bug": True, "beyond_bug": True, "straddle": True}
+REFUSED_IN_CUT = ("refused_in_cut", "refused_in_backward")
 FALLS_BACK = ("logits_buffer", "backward_fails")  # the forward (or backward) fails on the cut: proven whole
-VERDICT = {"refused_in_cut": "refused", "bt_bug": "refused", "beyond_bug": "refused"}
+VERDICT = {"refused_in_cut": "refused", "refused_in_backward": "refused", "bt_bug": "refused", "beyond_bug": "refused"}
 
 
 def check_case(case: str, ranks: list) -> None:
@@ -234,8 +243,8 @@ def check_case(case: str, ranks: list) -> None:
     for got in ranks:
         cut, whole = got[case]["cut"], got[case]["whole"]
         assert cut["verdict"] == one_process["verdict"] == VERDICT.get(case, "ok"), case
-        if case == "refused_in_cut":  # (a refusal of the cut shape's loss: the whole vocabulary never raises it)
-            assert whole["verdict"] == "ok" and "refused inside the cut shape" in cut["words"]
+        if case in REFUSED_IN_CUT:  # (a refusal in the cut shape's loss or backward: the whole vocabulary never raises
+            assert whole["verdict"] == "ok" and "cut" in cut["words"]  # it)
             for name, value in zip(cut["after"], build(case).parameters()):  # no step: the weights as built
                 assert torch.equal(cut["after"][name], value.detach()), name
             whole = {**whole, "after": cut["after"]}
@@ -245,13 +254,13 @@ def check_case(case: str, ranks: list) -> None:
             assert cut["table"] == whole["table"] == one_process["table"], case
             assert cut["notes"] == whole["notes"] == one_process["notes"] if case not in FALLS_BACK else \
                 cut["notes"] == one_process["notes"] and any("whole stack and vocabulary" in n for n in cut["notes"])
-        elif case != "refused_in_cut":  # a wrong rule: the probe refuses its layers (one process: the per-step
+        elif case not in REFUSED_IN_CUT:  # a wrong rule: the probe refuses its layers (one process: the per-step
             assert cut["table"] == whole["table"], case  # invariant, which the sharded probe checks at the step)
             assert cut["table"]["model.embed_tokens"] == cut["table"]["lm_head"] == "refused", case
         assert cut["widths"] == ([ROWS, vocab] if CUT[case] else [vocab]), case  # the layers saw the cut (or not)
         assert whole["widths"] == [vocab], case
         for result in (cut, whole):  # the state after the probe: whole, the shards untouched
-            assert not result["probe_view"] and result["shards_kept"], case
+            assert not result["probe_view"] and result["shards_kept"] and result["idle"], case
             assert all(shape == orig for shape, orig in result["gathered"]), case
             assert result["sizes"] == [vocab, vocab, vocab], case
             assert [tuple(t.shape) for t in result["after"].values()] == whole_shapes, case

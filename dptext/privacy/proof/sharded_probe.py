@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dptext.errors import UserError
-from dptext.privacy.sharding.fsdp_controls import check_unshard_in_backward, fsdp_modules, sync_off
+from dptext.privacy.sharding.fsdp_controls import (check_unshard_in_backward, fsdp_modules, reset_after_failure,
+                                                   sync_off)
 from dptext.privacy.sharding.row_reduce import local_rows
 from dptext.privacy.sharding.sharded import is_sharded
 
@@ -172,6 +173,9 @@ def sharded_view(engine, model: nn.Module):
     without_grad = [param for param in model.parameters() if param.grad is None]
     try:
         yield engine.probe_view
+    except BaseException:  # a refusal raised mid-pass (in a backward) leaves FSDP2 inside that pass for the
+        reset_after_failure(model)  # model's next engine and training
+        raise
     finally:
         del engine.probe_view
         for param in without_grad:  # FSDP2 reduce-scatters zeros into unused parameters' shards in ghost mode
