@@ -6,8 +6,9 @@ as before the cut), and in one process (the test process): the verdicts must be 
 have been applied where the test says so; after the probe (accepted, refused, or fallen back to the whole vocabulary)
 the shards hold what they held, FSDP2's registered unsharded parameters, the modules' sizes and the config are whole,
 and the DP step after it gives bit for bit the weights the step after the uncut probe gives (and, within rounding,
-the one-process step's). Cases: an untied head with a (zero, re-drawn) bias; an embedding with a padding row; a
-vocabulary not divisible by the ranks; a V-sized buffer the forward adds to the logits (fails on the cut: the whole
+the one-process step's). Cases: an untied head with a (zero, re-drawn) bias; an untied embedding and head each in
+an FSDP2 unit of its own (resharded after its forward, its gathered storage freed: the cut crashed there with
+torch's raw error, ``vocabulary.first_rows``); an embedding with a padding row; a vocabulary not divisible by the ranks; a V-sized buffer the forward adds to the logits (fails on the cut: the whole
 vocabulary is proven); a backward that fails on the cut mid-way through FSDP2's (the whole vocabulary proven
 after it: FSDP2's state must be reset, ``fsdp_controls.reset_after_failure``, or every layer was refused); a refusal
 raised inside the cut shape's loss, and one raised inside its backward (FSDP2 must be idle after it, or the
@@ -33,7 +34,7 @@ from two_ranks import CASES_VARIABLE, run_two_ranks
 TIMEOUT = 400
 VOCAB, WIDTH, ROWS = 4096, 16, 32  # ROWS: the cut (KEPT_ROWS is 16 in the tests: twice the width is kept)
 TWO_RANK_CASES = ("bias_head", "padding", "odd_vocab", "logits_buffer", "backward_fails", "refused_in_cut",
-                  "refused_in_backward", "bf16", "bt_bug", "beyond_bug")
+                  "refused_in_backward", "bf16", "bt_bug", "beyond_bug", "own_units")
 THREE_RANK_CASES = ("straddle",)
 
 
@@ -43,7 +44,7 @@ def build(case: str):
     vocab = {"odd_vocab": VOCAB + 3, "straddle": 70}.get(case, VOCAB)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=WIDTH, intermediate_size=24, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=case != "bias_head",
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=case not in UNTIED,
                          pad_token_id=0 if case == "padding" else None)
     cls = _biased_class() if case == "logits_buffer" else LlamaForCausalLM
     model = cls(config)
@@ -157,7 +158,9 @@ def run(case: str, ctx=None, cut: bool = True) -> dict:
 
         from dptext.finetune.sharding import shard_model
 
-        shard_model(model, policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "bf16" else None)
+        own = [model.model.embed_tokens, model.lm_head] if case == "own_units" else []  # (units of their own)
+        shard_model(model, list(model.model.layers) + own,
+                    policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "bf16" else None)
     before = fsdp_state(model) if ctx is not None else None
     widths, seen = [], []
 
@@ -175,16 +178,20 @@ def run(case: str, ctx=None, cut: bool = True) -> dict:
         verify.sharded_cut = lambda planned, engine: None if getattr(engine, "probe_view", None) else planned
     reports = []
 
-    def proved():
-        reports.append(verify.probe(engine, loss_fn=loss))
-        reports[-1].raise_if_refused()
+    real_probe = verify._probe
 
+    def spied(*args, **kwargs):  # the report, also where engine.verify() refuses
+        reports.append(real_probe(*args, **kwargs))
+        return reports[-1]
+
+    verify._probe = spied
     try:
         with wrong_rule(case, seen):
-            verdict, words = outcome(proved)
+            verdict, words = outcome(lambda: engine.verify(loss_fn=loss))
     finally:
-        verify.sharded_cut = real_cut
-    result = {"verdict": verdict, "words": words, "widths": sorted(set(widths)), "seen": sorted(set(seen)),
+        verify.sharded_cut, verify._probe = real_cut, real_probe
+    result = {"verdict": verdict, "words": words if verdict != "ok" else None, "widths": sorted(set(widths)),
+              "seen": sorted(set(seen)),
               "table": {row["name"]: row["status"] for row in reports[0].table()} if reports else None,
               "notes": list(reports[0].notes) if reports else [], "probe_view": hasattr(engine, "probe_view")}
     if ctx is not None:
@@ -203,6 +210,15 @@ def run(case: str, ctx=None, cut: bool = True) -> dict:
     return result
 
 
+def crashed(action, *args, **kwargs) -> dict:
+    """``action``'s result, or its error in words (a probe that crashes instead of refusing: every rank alike here,
+    so the other cases still run)."""
+    try:
+        return action(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the finding
+        return {"verdict": f"crashed: {type(error).__name__}: {error}"}
+
+
 def worker(out: Path) -> None:
     from dptext.finetune.distributed import current, release
     from dptext.privacy.proof import vocabulary
@@ -213,7 +229,7 @@ def worker(out: Path) -> None:
     cases = THREE_RANK_CASES if ctx.world_size == 3 else TWO_RANK_CASES
     if os.environ.get(CASES_VARIABLE):  # (a debugging run of some cases)
         cases = os.environ[CASES_VARIABLE].split(",")
-    results = {case: {"cut": run(case, ctx), "whole": run(case, ctx, cut=False)} for case in cases}
+    results = {case: {"cut": crashed(run, case, ctx), "whole": crashed(run, case, ctx, cut=False)} for case in cases}
     torch.save(results, out / f"rank{ctx.rank}.pt")
     release()
 
@@ -230,7 +246,9 @@ def three_ranks(tmp_path_factory):
 
 CUT = {"bias_head": True, "padding": True, "odd_vocab": True, "logits_buffer": False, "backward_fails": True,
        "refused_in_cut": True, "refused_in_backward": True,
-       "bf16": True, "bt_bug": True, "beyond_bug": True, "straddle": True}
+       "bf16": True, "bt_bug": True, "beyond_bug": True, "straddle": True,
+       "own_units": True}
+UNTIED = ("bias_head", "own_units")
 REFUSED_IN_CUT = ("refused_in_cut", "refused_in_backward")
 FALLS_BACK = ("logits_buffer", "backward_fails")  # the forward (or backward) fails on the cut: proven whole
 VERDICT = {"refused_in_cut": "refused", "refused_in_backward": "refused", "bt_bug": "refused", "beyond_bug": "refused"}

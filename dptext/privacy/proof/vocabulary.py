@@ -146,7 +146,7 @@ def vocabulary_applied(cut: VocabularyCut | None):
     try:
         for param, whole in zip(cut.params, data):
             param.grad = None
-            param.data = whole[:cut.rows]
+            param.data = first_rows(whole, cut.rows)
         for holder, attribute in cut.sizes:
             setattr(holder, attribute, cut.rows)
         if cut.view is not None:
@@ -160,6 +160,15 @@ def vocabulary_applied(cut: VocabularyCut | None):
         for param, whole in zip(cut.params, data):
             param.grad = None
             param.data = whole
+
+
+def first_rows(whole: torch.Tensor, rows: int) -> torch.Tensor:
+    """``whole``'s first ``rows`` rows, on its storage (a slice's layout) but made without a bounds check: FSDP2
+    frees a unit's gathered storage between its passes (resized to 0, refilled in place by the next gather), where
+    a slice is refused as out of bounds (a unit holding only the embedding or the head, resharded after its
+    forward: the probe crashed with torch's raw error)."""
+    return torch.empty(0, dtype=whole.dtype, device=whole.device).set_(
+        whole.untyped_storage(), whole.storage_offset(), (rows, *whole.shape[1:]), whole.stride())
 
 
 @contextmanager
