@@ -5,12 +5,12 @@ Each case runs on every rank with the cut and without it (``verify.sharded_cut``
 before the cut), and in one process (the test process): the verdicts must be the same three times; the cut must have
 been applied where the test says so; after the probe (accepted, refused, or fallen back to the whole vocabulary) the
 shards hold what they held, FSDP2's registered unsharded parameters, the modules' sizes and the config are whole, and
-the DP step after it gives bit for bit the weights the step after the uncut probe gives (and, within rounding, the one-
-process step's). Cases: an untied head with a (zero, re-drawn) bias; an untied embedding and head each in an FSDP2 unit
-of its own (resharded after its forward, its gathered storage freed: the cut crashed there with torch's raw error,
+the DP step after it gives bit for bit the weights the step after the uncut probe gives (and, within rounding, the
+one-process step's). Cases: an untied head with a (zero, re-drawn) bias; an untied embedding and head each in an FSDP2
+unit of its own (resharded after its forward, its gathered storage freed: the cut crashed there with torch's raw error,
 ``vocabulary.first_rows``); an embedding with a padding row; a vocabulary not divisible by the ranks; a V-sized buffer
-the forward adds to the logits (fails on the cut: the whole vocabulary is proven); a backward that fails on the cut mid-
-way through FSDP2's (the whole vocabulary proven after it: FSDP2's state must be reset,
+the forward adds to the logits (fails on the cut: the whole vocabulary is proven); a backward that fails on the cut
+mid-way through FSDP2's (the whole vocabulary proven after it: FSDP2's state must be reset,
 ``fsdp_controls.reset_after_failure``, or every layer was refused); a refusal raised inside the cut shape's loss, and
 one raised inside its backward (FSDP2 must be idle after it, or the model's next engine and training start inside that
 backward); FSDP2's bf16 policy; two wrong rules seen at B = T only, one of them writing junk into the last row of a sum
