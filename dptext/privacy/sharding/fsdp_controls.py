@@ -62,9 +62,9 @@ def reset_after_failure(model: nn.Module) -> None:
     """FSDP2's per-pass state put back after an exception ended a forward or backward mid-way (the probe falling
     back from its cut stack or vocabulary): a backward cut short leaves FSDP2 inside it, whose hooks then skip the
     next passes' pre-backward work (the whole model proven next refused every layer: "no gradient recorded").
-    Local, no collective (``FSDPModule.reset_iter_state``, on the root); nothing where no unit has run."""
+    Local, no collective (``FSDPModule.reset_iter_state``, on the root; torch 2.13); nothing where no unit has run."""
     for unit in fsdp_modules(model):
-        if unit._get_fsdp_state()._is_root:
+        if unit._get_fsdp_state()._is_root and hasattr(unit, "reset_iter_state"):
             unit.reset_iter_state()
 
 
