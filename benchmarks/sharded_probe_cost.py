@@ -1,7 +1,8 @@
 """Where the start-up probe's time goes on an FSDP2-sharded model: seconds and whole-model all-gathers per phase,
 against a DP step's, on 2 gloo processes.
 
-    python benchmarks/sharded_probe_cost.py [--model llama-medium|tinyllama-L4] [--batch 2 --length 32] [--out FILE.json]
+    python benchmarks/sharded_probe_cost.py [--model llama-medium|tinyllama-L4] [--batch 2 --length 32]
+                                            [--out FILE.json]
 
 The model is bench_fsdp.py's (a random Llama built in code, sharded per decoder layer and at the root); the engine
 is DP-Adam book-keeping with its default proof (``engine.verify()``, every rank together). FSDP2's all-gathers are

@@ -2,10 +2,11 @@
 the unsharded matrices FSDP2 registers at each pass are cut, never the shards (issue 42). 2 gloo processes.
 
 Checked: on a tied Llama with a 4,096-token vocabulary, the sharded probe runs its second shape with the matrices
-the layers see cut to their first rows (32 here: the tests keep twice the width) while the shards keep every row; the engine's clipped sums of the cut matrix reach
-the shards' layout with zeros beyond (each rank compares its rows: rank 1 holds none of the cut); the verdicts equal
-the one-process probe's; the shards and FSDP2's registered matrices are whole after it, and the DP step after the
-probe moves the weights as one process does. Ghost clipping keeps the whole vocabulary (FSDP2 reduces its sums).
+the layers see cut to their first rows (32 here: the tests keep twice the width) while the shards keep every row;
+the engine's clipped sums of the cut matrix reach the shards' layout with zeros beyond (each rank compares its rows:
+rank 1 holds none of the cut); the verdicts equal the one-process probe's; the shards and FSDP2's registered
+matrices are whole after it, and the DP step after the probe moves the weights as one process does. Ghost clipping
+keeps the whole vocabulary (FSDP2 reduces its sums).
 Unit checks: a cut total's rows reach the reduce-scatter's send buffer with zeros beyond; the reference's sums reach
 each rank as its rows (``row_reduce.reduce_to_own_rows``); ``sum_error`` counts the engine's rows beyond the cut
 against the reference's zeros.

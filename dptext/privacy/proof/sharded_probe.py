@@ -196,9 +196,9 @@ def gathered_parameters(model: nn.Module) -> dict[Tensor, nn.Parameter]:
     during a pass. FSDP2 makes that object at a parameter's first all-gather and keeps it from one pass to the next
     (``FSDPParam._unsharded_param``: refilled in place by each all-gather and set on the modules by
     ``to_unsharded``), so a unit gathered before (the engine's plan gathers every unit, in turn) is read from
-    FSDP2's records without an all-gather; any other unit (never gathered, or its gathered parameters dropped by ``fsdp_precision``
-    switching a bf16 policy to the stored dtype) is unsharded and resharded in turn, root first (its lazy
-    initialisation covers the others), so at most one unit's weights are whole at a time. Both give the same
+    FSDP2's records without an all-gather; any other unit (never gathered, or its gathered parameters dropped by
+    ``fsdp_precision`` switching a bf16 policy to the stored dtype) is unsharded and resharded in turn, root first
+    (its lazy initialisation covers the others), so at most one unit's weights are whole at a time. Both give the same
     objects (``tests/test_fsdp_probe_gathers.py``)."""
     found: dict[Tensor, nn.Parameter] = {}
     for unit in fsdp_modules(model):
