@@ -106,7 +106,7 @@ def worker(model_name: str, batch: int, length: int, out: Path) -> None:
     whole = sum(param.numel() for param in model.parameters())
     engine = PrivacyEngine(model, torch.optim.Adam(model.parameters(), lr=1e-4), noise_multiplier=1.0,
                            max_grad_norm=1.0, expected_batch_size=batch * 2, dataset_size=10_000, distributed=ctx,
-                           verify=False)
+                           verify=True)  # (as dptext finetune: proven right after the engine is built)
     profile = cProfile.Profile() if os.environ.get("PROBE_PROFILE") and ctx.rank == 0 else None
     with PeakRss() as probe_rss:
         phase[0], start = "probe, other", time.perf_counter()

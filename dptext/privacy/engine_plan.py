@@ -14,6 +14,7 @@ from dptext.privacy.clipping.owned_params import (carry_trainable_by_name, give_
                                                   take_out_of_autograd)
 from dptext.privacy.clipping.plan import (_check_optimizer, _module_names, find_tracked_modules, global_hook_keys,
                                           unproven_rules)
+from dptext.privacy.proof.cached_gathers import copies_from_the_plan
 from dptext.privacy.proof.outside_reads import OutsideReads
 from dptext.privacy.sharding.fsdp_controls import UnitAtATime
 
@@ -21,7 +22,8 @@ from dptext.privacy.sharding.fsdp_controls import UnitAtATime
 def install_plan(engine, prove_first_hook: Callable) -> None:
     """Find the trainable layers and their rules, install the hooks, take the parameters out of autograd."""
     engine.names = _module_names(engine.model)
-    units = UnitAtATime(engine.model)  # FSDP2: a layer's unit gathered where its rule must run it, one at a time
+    # FSDP2: a layer's unit gathered where its rule must run it, one at a time, each kept for the probe's first pass
+    units = UnitAtATime(engine.model, copies_from_the_plan(engine))
     try:
         engine.tracked = find_tracked_modules(engine.model, engine.clipping_mode, engine._learned_layouts,
                                               units.gathered)
@@ -43,7 +45,11 @@ def install_plan(engine, prove_first_hook: Callable) -> None:
                                         {module: engine.tracked[module] for module in engine.ghost_modules})
     # the proof's hook first: it runs before the recorder's own hooks see the call (and is part of the plan
     # the recorder snapshots, so a tracked root does not read it as a foreign hook added later)
-    prove_first = engine.model.register_forward_pre_hook(prove_first_hook, prepend=True)
+    def prove_first_then_drop_copies(module, args) -> None:  # the plan's copies serve only a proof made now
+        prove_first_hook(module, args)
+        engine.plan_copies = None
+
+    prove_first = engine.model.register_forward_pre_hook(prove_first_then_drop_copies, prepend=True)
     engine.recorder = UseRecorder(engine.model, engine.tracked, keep_outputs=engine.clipping_mode == "ghost",
                                   names=engine.names)
     engine.recorder.global_hooks = engine.global_hooks
@@ -62,6 +68,7 @@ def remove_plan(engine, replanning: bool) -> None:
     """Remove the plan's hooks and give autograd back what it took: for ``replan`` what is still in the model (a
     parameter that replaced a planned one by name is trained again), for ``detach`` all of it; a layer frozen since
     the plan stays frozen. Ghost clipping never took the parameters."""
+    engine.plan_copies = None
     engine.recorder.remove()
     engine.outside_reads.remove()
     if engine.clipping_mode == "ghost":

@@ -28,6 +28,7 @@ def adopt_proof(engine: Any, report: Any) -> None:
         engine.detach()
         raise
     # a training forward in other train/eval flags or under another autocast is proven again
+    engine.plan_copies = None  # (kept for a probe this engine will not run)
     engine.verified, engine.proven_modes, engine.proven_autocast = True, report.modes or None, report.training_dtype
     engine.recorder.verified = set(engine.tracked)
 

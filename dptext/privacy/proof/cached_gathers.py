@@ -19,12 +19,14 @@ FSDP2 gathers.
 The copies cost memory the run holds anyway: the probe runs before the optimizer's first step, and the state that
 step allocates (Adam's two moments: a rank's share is 2/N of the model) bounds the units copied besides the root
 (whose weights every pass holds from its forward to its backward); with SGD without momentum or an optimizer not
-known here only the root is copied. The choice is agreed over the ranks (their gathers are collectives).
+known here only the root is copied. The choice is agreed over the ranks (their gathers are collectives). Where the
+engine will prove itself, the first gathers are the plan's, made just before the probe (``copies_from_the_plan``).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,11 +62,11 @@ def unit_bytes(unit: nn.Module) -> int:
                for group in unit_groups(unit) for param in group.fsdp_params)
 
 
-def agreed_budget(engine) -> int:
+def agreed_budget(engine, device: torch.device | None = None) -> int:
     """``state_budget`` of the engine's optimizer, the smallest over the ranks (one all-reduce): the units copied
     must be the same on every rank, whose gathers are collectives, even where their optimizers differ."""
     budget = torch.tensor([float(state_budget(engine.optimizer))], dtype=torch.float64,
-                          device=engine.params[0].device)
+                          device=device or engine.params[0].device)
     dist.all_reduce(budget, op=dist.ReduceOp.MIN)
     return int(budget.item())
 
@@ -101,15 +103,54 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(BITS[tensor.element_size()])
 
 
+def copied_units(engine, model: nn.Module, world_size: int, device: torch.device | None = None) -> list[nn.Module]:
+    """The units whose gathers the probe serves from copies: the root and those within the budget."""
+    units = [unit for unit in fsdp_modules(model) if unit is model]
+    return units + units_within_budget(model, agreed_budget(engine, device), world_size)
+
+
+def copyable(group) -> bool:
+    """Whether each parameter's all-gather output is the plain concatenation of the ranks' padded shards (dim-0
+    sharding, no tensor-subclass extension, no CPU offload): then this rank's part of a copy must equal its shard's
+    data, which ``CachedGather.still_valid`` checks; other layouts are always gathered."""
+    return all(param.fsdp_placement.dim == 0 and len(param.all_gather_outputs) == 1
+               and not hasattr(param._sharded_local_tensor, "fsdp_pre_all_gather") and not param.offload_to_cpu
+               for param in group.fsdp_params)
+
+
+def copies_from_the_plan(engine) -> Callable | None:
+    """Where the engine will prove itself (``verify`` on), a function that keeps a copy of each unit's gather as the
+    engine's plan makes it (``fsdp_controls.UnitAtATime``), in ``engine.plan_copies``: the probe's first pass is
+    then served from them as its later passes are (``cached_gathers``), where it made a real all-gather of every
+    unit right after the plan's. Only gathers in the stored dtype (no mixed-precision cast: the probe gathers as
+    stored) of the units the probe would copy anyway (``copied_units``); dropped at the model's first forward,
+    whether it proves or not (``engine_plan``), and by an adopted proof, ``replan`` and ``detach``."""
+    engine.plan_copies = {}
+    model = engine.model
+    if not fsdp_modules(model) or engine.distributed is None:
+        return None
+    device = next(model.parameters()).device
+    chosen = copied_units(engine, model, engine.distributed.world_size, device)  # (a collective on every rank)
+
+    def keep(unit: nn.Module) -> None:
+        if engine.verify_first and any(unit is each for each in chosen):
+            for group in unit_groups(unit):
+                if group.is_unsharded and copyable(group) and all(param.param_dtype is None
+                                                                  for param in group.fsdp_params):
+                    engine.plan_copies[group] = [param.all_gather_outputs[0].detach().clone()
+                                                 for param in group.fsdp_params]
+    return keep
+
+
 class CachedGather:
     """One FSDP2 param group's all-gathers served from a copy of its first (instance attributes over FSDP2's
     ``unshard`` and ``wait_for_unshard``, removed by ``remove``). Where the copy serves, ``wait_for_unshard`` does
     what FSDP2's own does after an all-gather: the gathered storage allocated and filled (version counters kept),
     the gathered parameters initialised and registered on the modules."""
 
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, device: torch.device, saved: list | None = None):
         self.group, self.device = group, device
-        self.saved: list | None = None  # per FSDP2 parameter, its (one) all-gather output as the first gave it
+        self.saved = saved  # per FSDP2 parameter, its (one) all-gather output as the first gave it (or the plan's)
         self.pending = False  # an unshard served by the copy, filled at the wait
         self.real_unshard, self.real_wait = group.unshard, group.wait_for_unshard
         group.unshard, group.wait_for_unshard = self.unshard, self.wait_for_unshard
@@ -118,14 +159,6 @@ class CachedGather:
         for name in ("unshard", "wait_for_unshard"):
             del self.group.__dict__[name]
         self.saved = None
-
-    def copyable(self) -> bool:
-        """Whether each parameter's all-gather output is the plain concatenation of the ranks' padded shards
-        (dim-0 sharding, no tensor-subclass extension, no CPU offload): then this rank's part of the copy must
-        equal its shard's data, which ``still_valid`` checks; other layouts are always gathered."""
-        return all(param.fsdp_placement.dim == 0 and len(param.all_gather_outputs) == 1
-                   and not hasattr(param._sharded_local_tensor, "fsdp_pre_all_gather") and not param.offload_to_cpu
-                   for param in self.group.fsdp_params)
 
     def still_valid(self) -> bool:
         """Whether every rank's shards hold exactly what they held when the copy was taken (this rank's part of the
@@ -158,7 +191,7 @@ class CachedGather:
         with torch.no_grad(), torch._C.DisableTorchFunction():  # unseen by the hooked forward's read detector
             if not self.pending:
                 self.real_wait(*args, **kwargs)
-                if self.saved is None and group.is_unsharded and self.copyable():  # a real gather: the copy
+                if self.saved is None and group.is_unsharded and copyable(group):  # a real gather: the copy
                     self.saved = [param.all_gather_outputs[0].detach().clone() for param in group.fsdp_params]
                 return
             self.pending = False
@@ -178,10 +211,15 @@ def cached_gathers(engine):
     if view is None:
         yield
         return
-    model = engine.model
-    units = [unit for unit in fsdp_modules(model) if unit is model]
-    units += units_within_budget(model, agreed_budget(engine), view.world_size)
-    caches = [CachedGather(group, engine.params[0].device) for unit in units for group in unit_groups(unit)]
+    device = engine.params[0].device
+    groups = [group for unit in copied_units(engine, engine.model, view.world_size) for group in unit_groups(unit)]
+    handed = getattr(engine, "plan_copies", None) or {}  # the plan's gathers, made just before (validated alike),
+    everywhere = torch.tensor([float(group in handed) for group in groups], device=device)  # used only where every
+    if groups:  # rank holds one: a copy's use is a collective, as a gather
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    caches = [CachedGather(group, device, handed[group] if bool(flag) else None)
+              for group, flag in zip(groups, everywhere.tolist())]
+    engine.plan_copies = None
     try:
         yield
     finally:

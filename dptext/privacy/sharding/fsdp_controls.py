@@ -224,7 +224,8 @@ class UnitAtATime:
     rank makes the same calls in the same order (the plan visits the same model's layers in order), as each gather
     is a collective. Without FSDP2 units nothing is gathered."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, keep=None):
+        self.keep = keep  # called with each unit just gathered (the probe keeps copies: ``proof.cached_gathers``)
         self.units = fsdp_modules(model)
         self.unit_of = {module: unit for unit in self.units for module in unit.modules()}  # inner units last: theirs
         self.current = None
@@ -235,20 +236,22 @@ class UnitAtATime:
         """``module``'s innermost unit gathered inside (kept until another unit is needed, or ``release``)."""
         unit = self.unit_of.get(module)
         if unit is not None and unit is not self.current:
-            self.release()
-            unit.unshard()
-            self.current = unit
-            self.done.append(unit)
+            self._gather(unit)
         yield
+
+    def _gather(self, unit: nn.Module) -> None:
+        self.release()
+        unit.unshard()
+        self.current = unit
+        self.done.append(unit)
+        if self.keep is not None:
+            self.keep(unit)
 
     def prime(self) -> None:
         """Every unit not gathered yet, once, one at a time."""
         for unit in self.units:
             if not any(unit is done for done in self.done):
-                self.release()
-                unit.unshard()
-                self.current = unit
-                self.done.append(unit)
+                self._gather(unit)
         self.release()
 
     def release(self) -> None:
