@@ -93,8 +93,7 @@ def reduce_rows(params: list[nn.Parameter], totals: dict[nn.Parameter, Tensor], 
         del total
         offset += per_rank * row_size
     mine = send.new_empty(width)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-    scatter(mine, send.view(-1), op=dist.ReduceOp.SUM)
+    reduce_scatter(mine, send.view(-1))
     del send
     out, offset = {}, 0
     for param, rows, per_rank, row_size in layout:
@@ -102,6 +101,12 @@ def reduce_rows(params: list[nn.Parameter], totals: dict[nn.Parameter, Tensor], 
         out[param] = mine[offset:offset + count * row_size].view(param.to_local().shape)
         offset += per_rank * row_size
     return out
+
+
+def reduce_scatter(mine: Tensor, send: Tensor) -> None:
+    """``mine`` = this rank's block of Σ_ranks ``send`` (the ranks' blocks side by side), summed."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    scatter(mine, send, op=dist.ReduceOp.SUM)
 
 
 def reduce_to_own_rows(total: Tensor, param: Tensor, rank: int, world_size: int) -> Tensor:
@@ -124,8 +129,7 @@ def reduce_to_own_rows(total: Tensor, param: Tensor, rank: int, world_size: int)
             send[other, :count * flat.shape[1]] = flat[first:first + count].reshape(-1)
         send = send.view(-1)
     mine = flat.new_empty(width)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-    scatter(mine, send, op=dist.ReduceOp.SUM)
+    reduce_scatter(mine, send)
     return mine[:counts[rank] * flat.shape[1]].view(counts[rank], *total.shape[1:])
 
 
